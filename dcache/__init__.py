@@ -1,0 +1,29 @@
+"""dcache: the durable store behind ``batch``, on SQLAlchemy Core.
+
+SQLite by default (a file, or :meth:`DB.memory` for tests); PostgreSQL (psycopg 3) and
+MySQL/MariaDB (PyMySQL) when several processes or hosts share one database.
+"""
+
+from __future__ import annotations
+
+from ._db import DB, utcnow
+from ._errors import SchemaVersionError, StoreError, StoreUnavailableError, is_transient
+from ._rows import JobRow, NewTarget, SubmitOutcome, TargetRow, WriteOutcome
+from ._schema import LIVE, SCHEMA_VERSION, TERMINAL
+
+__all__ = [
+    "DB",
+    "LIVE",
+    "SCHEMA_VERSION",
+    "TERMINAL",
+    "JobRow",
+    "NewTarget",
+    "SchemaVersionError",
+    "StoreError",
+    "StoreUnavailableError",
+    "SubmitOutcome",
+    "TargetRow",
+    "WriteOutcome",
+    "is_transient",
+    "utcnow",
+]

@@ -1,0 +1,844 @@
+"""The store: every public method is one short transaction (``purge_expired`` a few)."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import logging
+import secrets
+import sqlite3
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from sqlalchemy import (
+    Connection,
+    Engine,
+    Row,
+    and_,
+    case,
+    create_engine,
+    delete,
+    event,
+    func,
+    insert,
+    literal,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import make_url
+from sqlalchemy.pool import QueuePool
+
+from ._errors import SchemaVersionError, StoreError, wrap_errors
+from ._rows import JobRow, NewTarget, SubmitOutcome, TargetRow, WriteOutcome
+from ._schema import (
+    GLOBAL_LOCK,
+    LIVE,
+    SCHEMA_VERSION,
+    UTCDateTime,
+    jobs,
+    locks,
+    meta,
+    metadata,
+    owners,
+    targets,
+)
+
+__all__ = ["DB", "utcnow"]
+
+log = logging.getLogger("dcache")
+
+DEFAULT_URL = "sqlite:///dcache.sqlite3"
+_WRITE = "dcache_write"  # execution option read by the SQLite "begin" hook
+_SYNCHRONOUS = ("OFF", "NORMAL", "FULL", "EXTRA")
+
+
+def utcnow() -> dt.datetime:
+    """The library's default clock: aware UTC wall time."""
+    return dt.datetime.now(dt.timezone.utc)
+
+
+def _now(now: dt.datetime | None) -> dt.datetime:
+    if now is None:
+        return utcnow()
+    if now.tzinfo is None or now.utcoffset() is None:
+        raise ValueError(f"naive datetime {now!r}: pass an aware UTC datetime")
+    return now.astimezone(dt.timezone.utc)
+
+
+class _LockRowRace(Exception):
+    """Another transaction created the same caller lock row first; retry the submit."""
+
+
+def _install_sqlite_hooks(engine: Engine, *, synchronous: str, busy_timeout: float) -> None:
+    """Make pysqlite transactional the way SQLAlchemy's SQLite docs recommend.
+
+    pysqlite's own BEGIN handling is off (``isolation_level = None``); SQLAlchemy's
+    "begin" event emits ``BEGIN IMMEDIATE`` for write transactions (so a write lock is
+    taken up front: ``FOR UPDATE`` renders nothing on SQLite) and a plain ``BEGIN``
+    for reads, which under WAL never block writers.
+    """
+
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        try:
+            cur.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
+            mode = cur.execute("PRAGMA journal_mode").fetchone()[0]
+            if str(mode).lower() not in ("memory", "wal"):
+                cur.execute("PRAGMA journal_mode = WAL")
+            cur.execute(f"PRAGMA synchronous = {synchronous}")
+            cur.execute("PRAGMA foreign_keys = ON")
+        finally:
+            cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: Connection) -> None:
+        dbapi_conn = conn.connection.driver_connection
+        if dbapi_conn is not None and dbapi_conn.isolation_level is not None:
+            # A caller-made engine whose connections predate our "connect" hook.
+            dbapi_conn.isolation_level = None
+        write = conn.get_execution_options().get(_WRITE, False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+
+def _job_row(row: Row[Any]) -> JobRow:
+    m = row._mapping
+    return JobRow(
+        id=m["id"],
+        caller=m["caller"],
+        caller_class=m["caller_class"],
+        idem_key=m["idem_key"],
+        status=m["status"],
+        error=m["error"],
+        targets_total=m["targets_total"],
+        targets_done=m["targets_done"],
+        targets_failed=m["targets_failed"],
+        owner=m["owner"],
+        ttl=dt.timedelta(seconds=m["ttl_s"]),
+        created_at=m["created_at"],
+        updated_at=m["updated_at"],
+        expires_at=m["expires_at"],
+        finished_at=m["finished_at"],
+    )
+
+
+_JOB_COLS = [c for c in jobs.c]
+_TARGET_COLS = [
+    targets.c.idx,
+    targets.c.url,
+    targets.c.options,
+    targets.c.status.label("t_status"),
+    targets.c.result,
+    targets.c.error.label("t_error"),
+    targets.c.hint,
+    targets.c.updated_at.label("t_updated_at"),
+]
+
+
+def _visible(now: dt.datetime) -> Any:
+    """A job is visible while its lease holds, and always while it is live."""
+    return or_(jobs.c.expires_at > now, jobs.c.status.in_(LIVE))
+
+
+class DB:
+    """The durable store for batch jobs, on SQLite, PostgreSQL or MySQL/MariaDB.
+
+    Build it with :meth:`open` (the store owns and disposes the engine), :meth:`memory`
+    (in-memory SQLite for tests), or ``DB(engine)`` (the caller owns the engine). The
+    schema is created on construction if missing; doing so from several processes at
+    once is safe.
+
+    Every public method is one transaction and translates database failures into
+    :class:`dcache.StoreError` (``StoreUnavailableError`` for transient ones).
+    """
+
+    def __init__(self, engine: Engine, *, _owns_engine: bool = False) -> None:
+        self._owns_engine = _owns_engine
+        self._keeper: sqlite3.Connection | None = None
+        self.dialect: str = engine.dialect.name
+        if self.dialect == "sqlite":
+            if not event.contains(engine, "begin", _sqlite_begin_marker):
+                _install_sqlite_hooks(engine, synchronous="NORMAL", busy_timeout=30.0)
+                event.listen(engine, "begin", _sqlite_begin_marker)
+            self._engine = engine
+        else:
+            # At REPEATABLE READ (MySQL's default) a count taken after the lock wait would
+            # still see the snapshot from before it, and the caps would overshoot.
+            self._engine = engine.execution_options(isolation_level="READ COMMITTED")
+        self._wengine = self._engine.execution_options(**{_WRITE: True})
+        self._closed = False
+        try:
+            self._create_schema()
+        except BaseException:
+            self._dispose()
+            raise
+
+    # -- construction -------------------------------------------------------------------
+
+    @classmethod
+    def open(
+        cls,
+        url: str = DEFAULT_URL,
+        *,
+        synchronous: str = "NORMAL",
+        busy_timeout: float = 30.0,
+        **engine_options: Any,
+    ) -> DB:
+        """Open (and create if needed) the store at a SQLAlchemy URL.
+
+        Args:
+            url: e.g. ``sqlite:///batch.sqlite3``, ``postgresql+psycopg://host/db``,
+                ``mysql+pymysql://user@host/db``.
+            synchronous: SQLite only: ``NORMAL`` (the default; durable across process
+                crashes, WAL) or ``FULL`` (also durable across power loss).
+            busy_timeout: SQLite only: seconds to wait for a write lock.
+            **engine_options: passed to :func:`sqlalchemy.create_engine`.
+        """
+        sync = synchronous.upper()
+        if sync not in _SYNCHRONOUS:
+            raise ValueError(f"synchronous must be one of {_SYNCHRONOUS}, not {synchronous!r}")
+        u = make_url(url)
+        try:
+            if u.get_backend_name() == "sqlite":
+                opts: dict[str, Any] = {
+                    "poolclass": QueuePool,
+                    "pool_size": 8,
+                    "max_overflow": 56,
+                    "connect_args": {"check_same_thread": False, "timeout": busy_timeout},
+                }
+                opts.update(engine_options)
+                engine = create_engine(u, **opts)
+                _install_sqlite_hooks(engine, synchronous=sync, busy_timeout=busy_timeout)
+                event.listen(engine, "begin", _sqlite_begin_marker)
+            else:
+                if u.get_backend_name() in ("mysql", "mariadb") and "charset" not in u.query:
+                    u = u.update_query_dict({"charset": "utf8mb4"})
+                opts = {"pool_size": 8, "max_overflow": 24}
+                opts.update(engine_options)
+                engine = create_engine(u, **opts)
+        except sa_exc.SQLAlchemyError as exc:
+            raise StoreError(f"cannot open {u!r}: {exc}") from exc
+        return cls(engine, _owns_engine=True)
+
+    @classmethod
+    def memory(cls) -> DB:
+        """An in-memory SQLite store that is safe across threads.
+
+        A named ``memdb`` VFS database with a real connection pool: every connection of
+        this store sees the same data, and concurrent transactions lock properly (a
+        ``StaticPool`` or shared cache would not). It lives until :meth:`close`.
+        """
+        name = f"/dcache-{secrets.token_hex(8)}"
+        uri = f"file:{name}?vfs=memdb"
+        keeper = sqlite3.connect(uri, uri=True, check_same_thread=False)
+        engine = create_engine(
+            "sqlite://",
+            creator=lambda: sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=30),
+            poolclass=QueuePool,
+            pool_size=8,
+            max_overflow=56,
+        )
+        _install_sqlite_hooks(engine, synchronous="NORMAL", busy_timeout=30.0)
+        event.listen(engine, "begin", _sqlite_begin_marker)
+        db = cls(engine, _owns_engine=True)
+        db._keeper = keeper
+        return db
+
+    @property
+    def engine(self) -> Engine:
+        """The SQLAlchemy engine this store runs on."""
+        return self._engine
+
+    def close(self) -> None:
+        """Dispose of the engine if this store owns it. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._dispose()
+
+    def _dispose(self) -> None:
+        if self._owns_engine:
+            self._engine.dispose()
+        if self._keeper is not None:
+            self._keeper.close()
+            self._keeper = None
+
+    def __enter__(self) -> DB:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<dcache.DB {self._engine.url.render_as_string(hide_password=True)!r}>"
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[Connection]:
+        with self._wengine.begin() as conn:
+            yield conn
+
+    @contextlib.contextmanager
+    def _read(self) -> Iterator[Connection]:
+        with self._engine.begin() as conn:
+            yield conn
+
+    # -- schema -------------------------------------------------------------------------
+
+    @wrap_errors
+    def _create_schema(self) -> None:
+        if self.dialect in ("mysql", "mariadb"):
+            # MySQL commits DDL implicitly, so serialise creators with a named lock.
+            with self._engine.connect() as conn:
+                got = conn.execute(select(func.get_lock("dcache_schema", 60))).scalar()
+                if got != 1:
+                    raise StoreError("timed out waiting for another process creating the schema")
+                try:
+                    metadata.create_all(conn)
+                    self._init_meta(conn)
+                    conn.commit()
+                finally:
+                    conn.execute(select(func.release_lock("dcache_schema")))
+                    conn.commit()
+            return
+        with self._write() as conn:
+            if self.dialect == "postgresql":
+                conn.execute(select(func.pg_advisory_xact_lock(0x6463616368)))
+            metadata.create_all(conn)
+            self._init_meta(conn)
+
+    @staticmethod
+    def _init_meta(conn: Connection) -> None:
+        found = conn.execute(select(meta.c.value).where(meta.c.key == "schema_version")).scalar()
+        if found is None:
+            conn.execute(insert(meta).values(key="schema_version", value=str(SCHEMA_VERSION)))
+        elif int(found) > SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"database schema version {found} is newer than this dcache's "
+                f"{SCHEMA_VERSION}: upgrade the library"
+            )
+        has_global = conn.execute(select(locks.c.name).where(locks.c.name == GLOBAL_LOCK)).first()
+        if has_global is None:
+            conn.execute(insert(locks).values(name=GLOBAL_LOCK))
+
+    @wrap_errors
+    def schema_version(self) -> int:
+        """The schema version recorded in the database."""
+        with self._read() as conn:
+            v = conn.execute(select(meta.c.value).where(meta.c.key == "schema_version")).scalar()
+        return int(v) if v is not None else 0
+
+    # -- submit -------------------------------------------------------------------------
+
+    @wrap_errors
+    def submit(
+        self,
+        *,
+        job_id: str,
+        caller: str,
+        caller_class: str,
+        idem_key: str,
+        targets: Sequence[NewTarget],
+        ttl: dt.timedelta,
+        jobs_per_caller: int,
+        jobs_total: int,
+        owner: str = "",
+        now: dt.datetime | None = None,
+    ) -> SubmitOutcome:
+        """Decide a submission atomically.
+
+        Under the caller's lock row: a job with this ``(caller, idem_key)`` whose lease
+        holds is returned as ``reused`` (no caps checked). Otherwise the caller's live
+        jobs are counted against ``jobs_per_caller``; then, under the global lock row,
+        all live jobs against ``jobs_total``; then the job is inserted ``running`` with
+        all its targets ``pending``. Racing submits from any number of threads,
+        processes or hosts create at most one job per key and never exceed a cap.
+        """
+        if not targets:
+            raise ValueError("a job needs at least one target")
+        now = _now(now)
+        caller_lock = "caller:" + caller
+        for _attempt in range(8):
+            try:
+                with self._write() as conn:
+                    return self._submit_tx(
+                        conn,
+                        caller_lock=caller_lock,
+                        job_id=job_id,
+                        caller=caller,
+                        caller_class=caller_class,
+                        idem_key=idem_key,
+                        new_targets=targets,
+                        ttl=ttl,
+                        jobs_per_caller=jobs_per_caller,
+                        jobs_total=jobs_total,
+                        owner=owner,
+                        now=now,
+                    )
+            except _LockRowRace:
+                continue
+        raise StoreError(f"could not create the lock row for caller {caller!r}")
+
+    def _submit_tx(
+        self,
+        conn: Connection,
+        *,
+        caller_lock: str,
+        job_id: str,
+        caller: str,
+        caller_class: str,
+        idem_key: str,
+        new_targets: Sequence[NewTarget],
+        ttl: dt.timedelta,
+        jobs_per_caller: int,
+        jobs_total: int,
+        owner: str,
+        now: dt.datetime,
+    ) -> SubmitOutcome:
+        lock_q = select(locks.c.name).where(locks.c.name == caller_lock).with_for_update()
+        if conn.execute(lock_q).first() is None:
+            # First submit of this caller: create its lock row. Inserting locks it for the
+            # rest of this transaction; a racing creator makes one of us retry.
+            try:
+                conn.execute(insert(locks).values(name=caller_lock))
+            except sa_exc.IntegrityError as exc:
+                raise _LockRowRace from exc
+        reused = self._by_idem(conn, caller, idem_key, now)
+        if reused is not None:
+            return SubmitOutcome("reused", reused)
+        live_caller = self._count_live(conn, caller)
+        if live_caller >= jobs_per_caller:
+            return SubmitOutcome("caller_busy", live=live_caller)
+        conn.execute(select(locks.c.name).where(locks.c.name == GLOBAL_LOCK).with_for_update())
+        live_total = self._count_live(conn, None)
+        if live_total >= jobs_total:
+            return SubmitOutcome("busy", live=live_total)
+        job = {
+            "id": job_id,
+            "caller": caller,
+            "caller_class": caller_class,
+            "idem_key": idem_key,
+            "status": "running",
+            "error": "",
+            "targets_total": len(new_targets),
+            "targets_done": 0,
+            "targets_failed": 0,
+            "owner": owner,
+            "ttl_s": ttl.total_seconds(),
+            "created_at": now,
+            "updated_at": now,
+            "expires_at": now + ttl,
+            "finished_at": None,
+        }
+        conn.execute(insert(jobs), [job])
+        conn.execute(
+            insert(targets),
+            [
+                {
+                    "job_id": job_id,
+                    "idx": i,
+                    "url": t.url,
+                    "options": t.options,
+                    "status": "pending",
+                    "result": None,
+                    "error": "",
+                    "hint": "",
+                    "updated_at": None,
+                }
+                for i, t in enumerate(new_targets)
+            ],
+        )
+        job["ttl"] = ttl
+        del job["ttl_s"]
+        return SubmitOutcome("created", JobRow(**job))
+
+    @staticmethod
+    def _by_idem(conn: Connection, caller: str, idem_key: str, now: dt.datetime) -> JobRow | None:
+        row = conn.execute(
+            select(*_JOB_COLS)
+            .where(jobs.c.caller == caller, jobs.c.idem_key == idem_key, _visible(now))
+            .order_by(jobs.c.created_at.desc())
+            .limit(1)
+        ).first()
+        return _job_row(row) if row is not None else None
+
+    @staticmethod
+    def _count_live(conn: Connection, caller: str | None) -> int:
+        q = select(func.count()).select_from(jobs).where(jobs.c.status.in_(LIVE))
+        if caller is not None:
+            q = q.where(jobs.c.caller == caller)
+        return int(conn.execute(q).scalar_one())
+
+    # -- the seed's lookups -------------------------------------------------------------
+
+    @wrap_errors
+    def batch_job_by_idem(
+        self, caller: str, idem_key: str, now: dt.datetime | None = None
+    ) -> JobRow | None:
+        """The job for ``(caller, idem_key)`` whose lease has not lapsed, if any."""
+        now = _now(now)
+        with self._read() as conn:
+            return self._by_idem(conn, caller, idem_key, now)
+
+    @wrap_errors
+    def live_batch_jobs(self, caller: str) -> int:
+        """How many ``queued``/``running`` jobs the caller has (by status, not lease)."""
+        with self._read() as conn:
+            return self._count_live(conn, caller)
+
+    @wrap_errors
+    def live_batch_jobs_total(self) -> int:
+        """How many ``queued``/``running`` jobs there are in all."""
+        with self._read() as conn:
+            return self._count_live(conn, None)
+
+    # -- reads --------------------------------------------------------------------------
+
+    @wrap_errors
+    def get_job(self, job_id: str, now: dt.datetime | None = None) -> JobRow | None:
+        """The job, or ``None`` when unknown or its lease has lapsed."""
+        now = _now(now)
+        with self._read() as conn:
+            row = conn.execute(
+                select(*_JOB_COLS).where(jobs.c.id == job_id, _visible(now))
+            ).first()
+        return _job_row(row) if row is not None else None
+
+    @wrap_errors
+    def get_job_with_targets(
+        self, job_id: str, now: dt.datetime | None = None
+    ) -> tuple[JobRow, list[TargetRow]] | None:
+        """The job and all its targets in index order, read in one statement (consistent).
+
+        ``None`` when the job is unknown or its lease has lapsed.
+        """
+        now = _now(now)
+        q = (
+            select(*_JOB_COLS, *_TARGET_COLS)
+            .select_from(jobs.outerjoin(targets, targets.c.job_id == jobs.c.id))
+            .where(jobs.c.id == job_id, _visible(now))
+            .order_by(targets.c.idx)
+        )
+        with self._read() as conn:
+            rows = conn.execute(q).all()
+        if not rows:
+            return None
+        job = _job_row(rows[0])
+        out = [
+            TargetRow(
+                idx=r.idx,
+                url=r.url,
+                options=r.options,
+                status=r.t_status,
+                result=r.result,
+                error=r.t_error,
+                hint=r.hint,
+                updated_at=r.t_updated_at,
+            )
+            for r in rows
+            if r.idx is not None
+        ]
+        return job, out
+
+    @wrap_errors
+    def list_jobs(
+        self,
+        *,
+        caller: str | None = None,
+        live_only: bool = False,
+        limit: int = 100,
+        now: dt.datetime | None = None,
+    ) -> list[JobRow]:
+        """Visible jobs, newest first, optionally one caller's and/or only live ones."""
+        now = _now(now)
+        q = select(*_JOB_COLS).where(_visible(now))
+        if caller is not None:
+            q = q.where(jobs.c.caller == caller)
+        if live_only:
+            q = q.where(jobs.c.status.in_(LIVE))
+        q = q.order_by(jobs.c.created_at.desc(), jobs.c.id).limit(limit)
+        with self._read() as conn:
+            return [_job_row(r) for r in conn.execute(q)]
+
+    # -- the drain's write --------------------------------------------------------------
+
+    @wrap_errors
+    def write_target(
+        self,
+        job_id: str,
+        idx: int,
+        *,
+        status: str,
+        result: str | None = None,
+        error: str = "",
+        hint: str = "",
+        ttl: dt.timedelta,
+        now: dt.datetime | None = None,
+    ) -> WriteOutcome:
+        """Store one target's outcome and move the job along, in one transaction.
+
+        Compare-and-set: only a ``pending`` target is written. The job's lease moves to
+        ``now + ttl`` and its counters advance; if this was the last target of a running
+        job, the terminal status (``done``/``failed``/``partial``) is set here, once. If
+        the job is no longer live (cancelled, or failed by a reaper), the target is still
+        stored and the job is marked finished, so its drain stops after this write.
+        """
+        if status not in ("done", "failed"):
+            raise ValueError(f"a target is written done or failed, not {status!r}")
+        now = _now(now)
+        failed = 1 if status == "failed" else 0
+        with self._write() as conn:
+            won = conn.execute(
+                update(targets)
+                .where(
+                    targets.c.job_id == job_id,
+                    targets.c.idx == idx,
+                    targets.c.status == "pending",
+                )
+                .values(status=status, result=result, error=error, hint=hint, updated_at=now)
+            ).rowcount
+            if won != 1:
+                st = conn.execute(select(jobs.c.status).where(jobs.c.id == job_id)).scalar()
+                return WriteOutcome(False, st or "")
+            last = and_(jobs.c.status == "running", jobs.c.targets_done + 1 >= jobs.c.targets_total)
+            ended = or_(last, jobs.c.status.not_in(LIVE))
+            new_failed = jobs.c.targets_failed + failed
+            # Every right-hand side reads only old values: MySQL evaluates SET assignments
+            # left to right with the new values, PostgreSQL and SQLite with the old ones;
+            # ordering the assignments so none reads a column set before it keeps them equal.
+            conn.execute(
+                update(jobs)
+                .where(jobs.c.id == job_id)
+                .ordered_values(
+                    (
+                        jobs.c.finished_at,
+                        case(
+                            (ended, func.coalesce(jobs.c.finished_at, literal(now, UTCDateTime))),
+                            else_=jobs.c.finished_at,
+                        ),
+                    ),
+                    (
+                        jobs.c.status,
+                        case(
+                            (
+                                last,
+                                case(
+                                    (new_failed == 0, literal("done")),
+                                    (new_failed >= jobs.c.targets_total, literal("failed")),
+                                    else_=literal("partial"),
+                                ),
+                            ),
+                            else_=jobs.c.status,
+                        ),
+                    ),
+                    (jobs.c.targets_done, jobs.c.targets_done + 1),
+                    (jobs.c.targets_failed, new_failed),
+                    (jobs.c.updated_at, now),
+                    (jobs.c.expires_at, now + ttl),
+                )
+            )
+            row = conn.execute(
+                select(jobs.c.status, jobs.c.finished_at).where(jobs.c.id == job_id)
+            ).one()
+        return WriteOutcome(True, row.status, finished=row.finished_at is not None)
+
+    # -- status changes (compare-and-set, each bumps the lease) -------------------------
+
+    def _ttl_of(self, conn: Connection, job_id: str) -> dt.timedelta | None:
+        ttl_s = conn.execute(select(jobs.c.ttl_s).where(jobs.c.id == job_id)).scalar()
+        return dt.timedelta(seconds=ttl_s) if ttl_s is not None else None
+
+    @wrap_errors
+    def cancel(self, job_id: str, now: dt.datetime | None = None) -> bool:
+        """Flip a live job to ``cancelled``; False if unknown or already terminal."""
+        now = _now(now)
+        with self._write() as conn:
+            ttl = self._ttl_of(conn, job_id)
+            if ttl is None:
+                return False
+            won = conn.execute(
+                update(jobs)
+                .where(jobs.c.id == job_id, jobs.c.status.in_(LIVE))
+                .values(status="cancelled", updated_at=now, expires_at=now + ttl)
+            ).rowcount
+        return bool(won == 1)
+
+    @wrap_errors
+    def fail_job(self, job_id: str, reason: str, now: dt.datetime | None = None) -> bool:
+        """Mark a live job failed with ``error=reason`` and finished; False if not live."""
+        now = _now(now)
+        with self._write() as conn:
+            ttl = self._ttl_of(conn, job_id)
+            if ttl is None:
+                return False
+            return self._fail(conn, job_id, reason, ttl, now)
+
+    @staticmethod
+    def _fail(
+        conn: Connection, job_id: str, reason: str, ttl: dt.timedelta, now: dt.datetime
+    ) -> bool:
+        won = conn.execute(
+            update(jobs)
+            .where(jobs.c.id == job_id, jobs.c.status.in_(LIVE))
+            .values(
+                status="failed",
+                error=reason,
+                updated_at=now,
+                expires_at=now + ttl,
+                finished_at=now,
+            )
+        ).rowcount
+        return bool(won == 1)
+
+    @staticmethod
+    def _close_cancelled(
+        conn: Connection, job_id: str, ttl: dt.timedelta, now: dt.datetime
+    ) -> bool:
+        won = conn.execute(
+            update(jobs)
+            .where(
+                jobs.c.id == job_id,
+                jobs.c.status.not_in(LIVE),
+                jobs.c.finished_at.is_(None),
+            )
+            .values(finished_at=now, updated_at=now, expires_at=now + ttl)
+        ).rowcount
+        return bool(won == 1)
+
+    @wrap_errors
+    def mark_finished(self, job_id: str, now: dt.datetime | None = None) -> bool:
+        """Record that a stopped (non-live) job's drain has ended; False if nothing to do."""
+        now = _now(now)
+        with self._write() as conn:
+            ttl = self._ttl_of(conn, job_id)
+            if ttl is None:
+                return False
+            return self._close_cancelled(conn, job_id, ttl, now)
+
+    @wrap_errors
+    def mark_in_flight_failed(self, reason: str, now: dt.datetime | None = None) -> int:
+        """Mark every ``queued``/``running`` job failed with ``error=reason``.
+
+        The single-process restart tool: call it at start, before any runner drains,
+        when this process is the only one using the database. Stored targets stay
+        readable, pending ones stay pending, nothing is resumed. Cancelled jobs whose
+        drain died before finishing are marked finished too. Returns how many jobs were
+        marked failed.
+        """
+        now = _now(now)
+        with self._write() as conn:
+            rows = conn.execute(
+                select(jobs.c.id, jobs.c.status, jobs.c.ttl_s)
+                .where(
+                    or_(
+                        jobs.c.status.in_(LIVE),
+                        and_(jobs.c.status == "cancelled", jobs.c.finished_at.is_(None)),
+                    )
+                )
+                .order_by(jobs.c.id)
+            ).all()
+            return self._reap(conn, rows, reason, now)
+
+    def _reap(self, conn: Connection, rows: Sequence[Row[Any]], reason: str,
+              now: dt.datetime) -> int:
+        # One compare-and-set per job, by primary key in id order: on InnoDB an UPDATE
+        # through a secondary index would deadlock against per-target writes.
+        marked = 0
+        for r in rows:
+            ttl = dt.timedelta(seconds=r.ttl_s)
+            if r.status in LIVE:
+                marked += self._fail(conn, r.id, reason, ttl, now)
+            else:
+                self._close_cancelled(conn, r.id, ttl, now)
+        return marked
+
+    # -- owners and orphans -------------------------------------------------------------
+
+    @wrap_errors
+    def heartbeat(self, owner: str, now: dt.datetime | None = None) -> None:
+        """Record that ``owner`` (a live runner) is alive at ``now``."""
+        now = _now(now)
+        with self._write() as conn:
+            n = conn.execute(
+                update(owners).where(owners.c.owner == owner).values(heartbeat_at=now)
+            ).rowcount
+            if n == 0:
+                conn.execute(insert(owners).values(owner=owner, heartbeat_at=now, started_at=now))
+
+    @wrap_errors
+    def remove_owner(self, owner: str) -> None:
+        """Forget an owner that stopped cleanly."""
+        with self._write() as conn:
+            conn.execute(delete(owners).where(owners.c.owner == owner))
+
+    @wrap_errors
+    def reap_orphans(
+        self, reason: str, stale_after: dt.timedelta, now: dt.datetime | None = None
+    ) -> int:
+        """Fail the live jobs whose owner stopped beating; return how many.
+
+        An owner is stale when its last heartbeat is older than ``now - stale_after`` or
+        it has no row at all. Each job is a compare-and-set, so one that finished
+        meanwhile is never touched. Cancelled jobs of stale owners are marked finished.
+        Stale owner rows are removed after their jobs, in the same transaction.
+        """
+        now = _now(now)
+        cutoff = now - stale_after
+        with self._write() as conn:
+            stale = or_(owners.c.owner.is_(None), owners.c.heartbeat_at < cutoff)
+            rows = conn.execute(
+                select(jobs.c.id, jobs.c.status, jobs.c.ttl_s)
+                .select_from(jobs.outerjoin(owners, owners.c.owner == jobs.c.owner))
+                .where(
+                    or_(
+                        jobs.c.status.in_(LIVE),
+                        and_(jobs.c.status == "cancelled", jobs.c.finished_at.is_(None)),
+                    ),
+                    stale,
+                )
+                .order_by(jobs.c.id)
+            ).all()
+            marked = self._reap(conn, rows, reason, now)
+            dead = conn.execute(
+                select(owners.c.owner).where(owners.c.heartbeat_at < cutoff)
+            ).scalars().all()
+            if dead:
+                conn.execute(delete(owners).where(owners.c.owner.in_(dead)))
+        return marked
+
+    # -- purge --------------------------------------------------------------------------
+
+    @wrap_errors
+    def purge_expired(
+        self, now: dt.datetime | None = None, *, limit: int = 500, max_batches: int = 100
+    ) -> int:
+        """Delete jobs whose lease lapsed (never live ones) with their targets.
+
+        Works in batches of ``limit`` jobs, each its own short transaction, so live
+        writers are never blocked for long. Returns how many jobs were deleted.
+        """
+        now = _now(now)
+        gone = 0
+        for _ in range(max_batches):
+            with self._write() as conn:
+                lapsed = and_(jobs.c.expires_at <= now, jobs.c.status.not_in(LIVE))
+                ids = conn.execute(
+                    select(jobs.c.id).where(lapsed).order_by(jobs.c.id).limit(limit)
+                ).scalars().all()
+                if not ids:
+                    break
+                gone += conn.execute(delete(jobs).where(jobs.c.id.in_(ids), lapsed)).rowcount
+                # The foreign key cascades; this also covers a connection without it. A job
+                # whose lease moved since the select is still there and keeps its targets.
+                kept = conn.execute(select(jobs.c.id).where(jobs.c.id.in_(ids))).scalars().all()
+                dropped = sorted(set(ids) - set(kept))
+                if dropped:
+                    conn.execute(delete(targets).where(targets.c.job_id.in_(dropped)))
+            if len(ids) < limit:
+                break
+        return gone
+
+
+def _sqlite_begin_marker(conn: Connection) -> None:
+    """Marks an engine whose SQLite hooks are installed (does nothing itself)."""

@@ -1,0 +1,73 @@
+"""The store's exceptions: one root, and the transient kind callers may retry."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+from sqlalchemy import exc as sa_exc
+
+__all__ = ["SchemaVersionError", "StoreError", "StoreUnavailableError", "wrap_errors"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+# MySQL/MariaDB server error codes that mean "try again": lock wait timeout, deadlock,
+# server gone away / lost connection, too many connections, server shutting down.
+_MYSQL_TRANSIENT = frozenset({1205, 1213, 2002, 2003, 2006, 2013, 1040, 1053, 2055, 4031})
+# PostgreSQL SQLSTATE classes that mean "try again": serialization failure, deadlock,
+# connection exceptions, operator intervention (admin shutdown), insufficient resources.
+_PG_TRANSIENT_PREFIXES = ("40001", "40P01", "08", "57P", "53")
+
+
+class StoreError(Exception):
+    """The database refused or failed an operation; the cause is chained."""
+
+
+class StoreUnavailableError(StoreError):
+    """The database is unreachable or asked for a retry (deadlock, lock timeout, restart)."""
+
+
+class SchemaVersionError(StoreError):
+    """The database holds a schema newer than this version of dcache understands."""
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Tell whether a SQLAlchemy/DBAPI error is worth retrying."""
+    if isinstance(exc, sa_exc.DBAPIError):
+        if exc.connection_invalidated:
+            return True
+        orig = exc.orig
+        sqlstate = getattr(orig, "sqlstate", None)
+        if isinstance(sqlstate, str):
+            return sqlstate.startswith(_PG_TRANSIENT_PREFIXES)
+        args = getattr(orig, "args", ())
+        if args and isinstance(args[0], int):
+            return args[0] in _MYSQL_TRANSIENT
+        text = str(orig).lower()
+        if "database is locked" in text or "database table is locked" in text:
+            return True
+        return isinstance(exc, sa_exc.OperationalError) and "unable to open" not in text
+    return isinstance(exc, sa_exc.TimeoutError)  # pool checkout timed out
+
+
+def translate(exc: sa_exc.SQLAlchemyError) -> StoreError:
+    """Map a SQLAlchemy error onto the store's own exception types."""
+    kind = StoreUnavailableError if is_transient(exc) else StoreError
+    err = kind(f"{type(exc).__name__}: {exc}".splitlines()[0])
+    err.__cause__ = exc
+    return err
+
+
+def wrap_errors(fn: Callable[P, R]) -> Callable[P, R]:
+    """Let no ``sqlalchemy.exc`` type cross the public API: translate it in one place."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except sa_exc.SQLAlchemyError as exc:
+            raise translate(exc) from exc
+
+    return wrapper

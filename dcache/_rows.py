@@ -1,0 +1,85 @@
+"""Plain values the store hands back: rows and decision outcomes."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Literal
+
+import attrs
+
+__all__ = ["JobRow", "NewTarget", "SubmitOutcome", "TargetRow", "WriteOutcome"]
+
+
+@attrs.frozen
+class NewTarget:
+    """A target to insert: its URL and its options already encoded as JSON text."""
+
+    url: str
+    options: str = "{}"
+
+
+@attrs.frozen
+class JobRow:
+    """One stored job."""
+
+    id: str
+    caller: str
+    caller_class: str
+    idem_key: str
+    status: str
+    error: str
+    targets_total: int
+    targets_done: int
+    targets_failed: int
+    owner: str
+    ttl: dt.timedelta
+    created_at: dt.datetime
+    updated_at: dt.datetime
+    expires_at: dt.datetime
+    finished_at: dt.datetime | None
+
+
+@attrs.frozen
+class TargetRow:
+    """One stored target of a job; ``result`` is the runner's JSON text or ``None``."""
+
+    idx: int
+    url: str
+    options: str
+    status: str
+    result: str | None
+    error: str
+    hint: str
+    updated_at: dt.datetime | None
+
+
+@attrs.frozen
+class SubmitOutcome:
+    """What the submit transaction decided.
+
+    ``kind`` is ``"created"`` or ``"reused"`` (``job`` set), or ``"caller_busy"`` /
+    ``"busy"`` with ``live`` the count that hit the cap.
+    """
+
+    kind: Literal["created", "reused", "caller_busy", "busy"]
+    job: JobRow | None = None
+    live: int = 0
+
+
+@attrs.frozen
+class WriteOutcome:
+    """What a per-target write did.
+
+    ``stored`` is False when the target was not pending (already written, or unknown).
+    ``status`` is the job's status after the write ("" for an unknown job), so a drain
+    learns of a cancel made by another process; ``finished`` says the write closed the job.
+    """
+
+    stored: bool
+    status: str
+    finished: bool = False
+
+    @property
+    def running(self) -> bool:
+        """Whether the drain should go on to the next target."""
+        return self.status in ("queued", "running")

@@ -1,0 +1,158 @@
+"""Tables, dialect-aware column types and the schema version."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import (
+    Column,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+)
+from sqlalchemy.dialects import mysql
+from sqlalchemy.engine import Dialect
+from sqlalchemy.types import TypeDecorator, TypeEngine
+
+__all__ = [
+    "LIVE",
+    "SCHEMA_VERSION",
+    "TERMINAL",
+    "UTCDateTime",
+    "jobs",
+    "locks",
+    "meta",
+    "metadata",
+    "owners",
+    "targets",
+]
+
+SCHEMA_VERSION = 1
+
+# Job statuses. "Live" is by status, never by lease.
+LIVE = ("queued", "running")
+TERMINAL = ("done", "failed", "partial", "cancelled")
+
+# Key columns are VARCHAR(191) at most: 191 * 4 bytes (utf8mb4) stays within the
+# 767-byte index prefix limit of older InnoDB row formats, so composite keys fit too.
+KEY = 191
+GLOBAL_LOCK = "global"
+
+
+class UTCDateTime(TypeDecorator[dt.datetime]):
+    """A timestamp that goes in and comes out as an aware UTC datetime on every backend.
+
+    Stored naive in UTC (``DATETIME(6)`` on MySQL for microseconds, ``TIMESTAMP`` without
+    zone elsewhere); naive input is rejected so local time can never sneak in.
+    """
+
+    impl = DateTime
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
+        if dialect.name in ("mysql", "mariadb"):
+            return dialect.type_descriptor(mysql.DATETIME(fsp=6))
+        return dialect.type_descriptor(DateTime(timezone=False))
+
+    def process_bind_param(self, value: dt.datetime | None, dialect: Dialect) -> Any:
+        if value is None:
+            return None
+        if value.tzinfo is None or value.utcoffset() is None:
+            raise ValueError(f"naive datetime {value!r}: pass an aware UTC datetime")
+        return value.astimezone(dt.timezone.utc).replace(tzinfo=None)
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        assert isinstance(value, dt.datetime)
+        return value.replace(tzinfo=dt.timezone.utc)
+
+
+class LongText(TypeDecorator[str]):
+    """Text that holds megabytes everywhere: ``LONGTEXT`` on MySQL (``TEXT`` is 64 KiB)."""
+
+    impl = Text
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
+        if dialect.name in ("mysql", "mariadb"):
+            return dialect.type_descriptor(mysql.LONGTEXT())
+        return dialect.type_descriptor(Text())
+
+
+metadata = MetaData()
+
+meta = Table(
+    "dcache_meta",
+    metadata,
+    Column("key", String(64), primary_key=True),
+    Column("value", String(255), nullable=False),
+)
+
+# Lock rows: one global row (created with the schema) and one per caller (created on
+# demand). Submits lock caller row -> global row, always in that order.
+locks = Table(
+    "batch_lock",
+    metadata,
+    Column("name", String(KEY + 9), primary_key=True),
+)
+
+jobs = Table(
+    "batch_job",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("caller", String(KEY), nullable=False),
+    Column("caller_class", String(KEY), nullable=False),
+    Column("idem_key", String(64), nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("error", Text, nullable=False, default=""),
+    Column("targets_total", Integer, nullable=False),
+    Column("targets_done", Integer, nullable=False, default=0),
+    Column("targets_failed", Integer, nullable=False, default=0),
+    Column("owner", String(64), nullable=False, default=""),
+    Column("ttl_s", Float, nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("updated_at", UTCDateTime, nullable=False),
+    Column("expires_at", UTCDateTime, nullable=False),
+    Column("finished_at", UTCDateTime, nullable=True),
+    Index("ix_batch_job_idem", "caller", "idem_key"),
+    Index("ix_batch_job_caller_status", "caller", "status"),
+    Index("ix_batch_job_status", "status"),
+    Index("ix_batch_job_expires", "expires_at"),
+    Index("ix_batch_job_owner_status", "owner", "status"),
+)
+
+targets = Table(
+    "batch_target",
+    metadata,
+    Column(
+        "job_id",
+        String(64),
+        ForeignKey("batch_job.id", ondelete="CASCADE"),
+        primary_key=True,
+    ),
+    Column("idx", Integer, primary_key=True, autoincrement=False),
+    Column("url", Text, nullable=False),
+    Column("options", Text, nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("result", LongText, nullable=True),
+    Column("error", Text, nullable=False, default=""),
+    Column("hint", Text, nullable=False, default=""),
+    Column("updated_at", UTCDateTime, nullable=True),
+)
+
+# One row per live Runner (its owner id), refreshed by its heartbeat thread.
+owners = Table(
+    "batch_owner",
+    metadata,
+    Column("owner", String(64), primary_key=True),
+    Column("heartbeat_at", UTCDateTime, nullable=False),
+    Column("started_at", UTCDateTime, nullable=False),
+)
