@@ -414,7 +414,7 @@ class DB:
         live_total = self._count_live(conn, None)
         if live_total >= jobs_total:
             return SubmitOutcome("busy", live=live_total)
-        job = {
+        job: dict[str, Any] = {
             "id": job_id,
             "caller": caller,
             "caller_class": caller_class,
@@ -500,9 +500,7 @@ class DB:
         """The job, or ``None`` when unknown or its lease has lapsed."""
         now = _now(now)
         with self._read() as conn:
-            row = conn.execute(
-                select(*_JOB_COLS).where(jobs.c.id == job_id, _visible(now))
-            ).first()
+            row = conn.execute(select(*_JOB_COLS).where(jobs.c.id == job_id, _visible(now))).first()
         return _job_row(row) if row is not None else None
 
     @wrap_errors
@@ -740,8 +738,7 @@ class DB:
             ).all()
             return self._reap(conn, rows, reason, now)
 
-    def _reap(self, conn: Connection, rows: Sequence[Row[Any]], reason: str,
-              now: dt.datetime) -> int:
+    def _reap(self, conn: Connection, rows: Sequence[Any], reason: str, now: dt.datetime) -> int:
         # One compare-and-set per job, by primary key in id order: on InnoDB an UPDATE
         # through a secondary index would deadlock against per-target writes.
         marked = 0
@@ -800,9 +797,11 @@ class DB:
                 .order_by(jobs.c.id)
             ).all()
             marked = self._reap(conn, rows, reason, now)
-            dead = conn.execute(
-                select(owners.c.owner).where(owners.c.heartbeat_at < cutoff)
-            ).scalars().all()
+            dead = (
+                conn.execute(select(owners.c.owner).where(owners.c.heartbeat_at < cutoff))
+                .scalars()
+                .all()
+            )
             if dead:
                 conn.execute(delete(owners).where(owners.c.owner.in_(dead)))
         return marked
@@ -823,9 +822,11 @@ class DB:
         for _ in range(max_batches):
             with self._write() as conn:
                 lapsed = and_(jobs.c.expires_at <= now, jobs.c.status.not_in(LIVE))
-                ids = conn.execute(
-                    select(jobs.c.id).where(lapsed).order_by(jobs.c.id).limit(limit)
-                ).scalars().all()
+                ids = (
+                    conn.execute(select(jobs.c.id).where(lapsed).order_by(jobs.c.id).limit(limit))
+                    .scalars()
+                    .all()
+                )
                 if not ids:
                     break
                 gone += conn.execute(delete(jobs).where(jobs.c.id.in_(ids), lapsed)).rowcount

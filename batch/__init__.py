@@ -1,0 +1,55 @@
+"""batch: persistent, serial batch jobs for web apps and scripts.
+
+Submit up to 32 targets as a job; one daemon thread drains them in order through an
+injected ``fetch(target) -> Result`` and stores each outcome the moment it completes.
+"""
+
+from __future__ import annotations
+
+from dcache import StoreError, StoreUnavailableError
+
+from ._errors import (
+    BusyError,
+    CallerBusyError,
+    FetchError,
+    InvalidTargetsError,
+    RunnerClosedError,
+    SubmitError,
+    TooManyTargetsError,
+)
+from ._runner import Fetch, Runner, new_job_id
+from ._values import (
+    Config,
+    Job,
+    Options,
+    Result,
+    Target,
+    TargetStatus,
+    canonical,
+    idem_key,
+    normalize_targets,
+)
+
+__all__ = [
+    "BusyError",
+    "CallerBusyError",
+    "Config",
+    "Fetch",
+    "FetchError",
+    "InvalidTargetsError",
+    "Job",
+    "Options",
+    "Result",
+    "Runner",
+    "RunnerClosedError",
+    "StoreError",
+    "StoreUnavailableError",
+    "SubmitError",
+    "Target",
+    "TargetStatus",
+    "TooManyTargetsError",
+    "canonical",
+    "idem_key",
+    "new_job_id",
+    "normalize_targets",
+]

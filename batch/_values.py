@@ -1,0 +1,351 @@
+"""Value classes, target validation and the canonical form behind idempotency keys."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
+
+import attrs
+
+from ._errors import InvalidTargetsError
+
+__all__ = [
+    "MAX_CALLER_LENGTH",
+    "MAX_OPTION_LENGTH",
+    "MAX_URL_LENGTH",
+    "Config",
+    "Job",
+    "Options",
+    "Result",
+    "Target",
+    "TargetStatus",
+    "canonical",
+    "check_text",
+    "idem_key",
+    "normalize_targets",
+]
+
+MAX_URL_LENGTH = 8192
+MAX_OPTION_LENGTH = 8192
+MAX_CALLER_LENGTH = 191  # the store's key columns (utf8mb4 index limit on MySQL)
+
+_STR_OPTIONS = ("mode", "question", "pages", "grep", "jq")
+_BOOL_OPTIONS = ("context", "recover")
+_TARGET_FIELDS = ("url", "options")
+
+
+def check_text(value: object, what: str, *, limit: int, allow_empty: bool = False) -> str:
+    """Return ``value`` if it is a string every backend can store, else raise ValueError.
+
+    Rejects non-strings, empty strings (unless allowed), strings over ``limit``
+    characters, NUL characters (PostgreSQL text cannot hold them) and lone surrogates
+    (not encodable as UTF-8).
+    """
+    if not isinstance(value, str):
+        raise ValueError(f"{what} must be a string, not {type(value).__name__}")
+    if not value and not allow_empty:
+        raise ValueError(f"{what} must not be empty")
+    if len(value) > limit:
+        raise ValueError(f"{what} is {len(value)} characters long, at most {limit} allowed")
+    if "\x00" in value:
+        raise ValueError(f"{what} must not contain NUL characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid Unicode text ({exc.reason})") from None
+    return value
+
+
+@attrs.frozen
+class Options:
+    """Per-target options, passed through to ``fetch`` untouched."""
+
+    mode: str = ""
+    question: str = ""
+    pages: str = ""
+    grep: str = ""
+    jq: str = ""
+    context: bool = False
+    recover: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        """The options as a JSON object with default-valued fields left out."""
+        return {f: getattr(self, f) for f in (*_STR_OPTIONS, *_BOOL_OPTIONS) if getattr(self, f)}
+
+    @classmethod
+    def from_json(cls, obj: object) -> Options:
+        """Parse a JSON object; raise :class:`InvalidTargetsError` naming the bad field."""
+        if obj is None:
+            return cls()
+        if not isinstance(obj, Mapping):
+            raise InvalidTargetsError(
+                f"options must be an object, not {type(obj).__name__}", field="options"
+            )
+        for key in obj:
+            if key not in _STR_OPTIONS and key not in _BOOL_OPTIONS:
+                raise InvalidTargetsError(
+                    f"unknown option {key!r} (known: {', '.join(_STR_OPTIONS + _BOOL_OPTIONS)})",
+                    field=f"options.{key}",
+                )
+        opts = cls(**dict(obj))
+        opts.check()
+        return opts
+
+    def check(self) -> None:
+        """Raise :class:`InvalidTargetsError` if a field has the wrong type or size."""
+        for name in _STR_OPTIONS:
+            try:
+                check_text(
+                    getattr(self, name),
+                    f"options.{name}",
+                    limit=MAX_OPTION_LENGTH,
+                    allow_empty=True,
+                )
+            except ValueError as exc:
+                raise InvalidTargetsError(str(exc), field=f"options.{name}") from None
+        for name in _BOOL_OPTIONS:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise InvalidTargetsError(
+                    f"options.{name} must be a boolean, not {type(value).__name__}",
+                    field=f"options.{name}",
+                )
+
+
+@attrs.frozen
+class Target:
+    """One unit of work: a URL and its options."""
+
+    url: str
+    options: Options = Options()
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"url": ..., "options": {...}}``; ``options`` left out when all default."""
+        out: dict[str, Any] = {"url": self.url}
+        opts = self.options.to_json()
+        if opts:
+            out["options"] = opts
+        return out
+
+    @classmethod
+    def from_json(cls, obj: object) -> Target:
+        """Parse ``{"url": ..., "options": {...}}``; raise :class:`InvalidTargetsError`."""
+        if not isinstance(obj, Mapping):
+            raise InvalidTargetsError(
+                f"a target must be an object with a url, not {type(obj).__name__}"
+            )
+        for key in obj:
+            if key not in _TARGET_FIELDS:
+                raise InvalidTargetsError(
+                    f"unknown field {key!r} in target (known: url, options)", field=str(key)
+                )
+        if "url" not in obj:
+            raise InvalidTargetsError("target has no url", field="url")
+        target = cls(url=obj["url"], options=Options.from_json(obj.get("options")))
+        target.check()
+        return target
+
+    def check(self) -> None:
+        """Raise :class:`InvalidTargetsError` if the URL or an option is malformed."""
+        try:
+            check_text(self.url, "url", limit=MAX_URL_LENGTH)
+        except ValueError as exc:
+            raise InvalidTargetsError(str(exc), field="url") from None
+        if self.url.strip() != self.url:
+            raise InvalidTargetsError("url has leading or trailing white space", field="url")
+        if not isinstance(self.options, Options):
+            raise InvalidTargetsError(
+                f"options must be batch.Options, not {type(self.options).__name__}",
+                field="options",
+            )
+        self.options.check()
+
+
+def normalize_targets(items: object) -> list[Target]:
+    """Turn a list of ``Target`` objects and/or JSON dicts into validated ``Target``s.
+
+    Raises :class:`InvalidTargetsError` naming the index and field at fault: an empty or
+    non-list value, an item that is neither, a bad URL or option, or a duplicate.
+    """
+    if isinstance(items, (str, bytes, Mapping)) or not isinstance(items, Iterable):
+        raise InvalidTargetsError(f"targets must be a list of targets, not {type(items).__name__}")
+    out: list[Target] = []
+    seen: dict[str, int] = {}
+    for i, item in enumerate(items):
+        try:
+            if isinstance(item, Target):
+                item.check()
+                target = item
+            else:
+                target = Target.from_json(item)
+        except InvalidTargetsError as exc:
+            raise InvalidTargetsError(f"targets[{i}]: {exc}", index=i, field=exc.field) from None
+        key = _dumps(target.to_json())
+        if key in seen:
+            raise InvalidTargetsError(
+                f"targets[{i}] duplicates targets[{seen[key]}] ({target.url!r})", index=i
+            )
+        seen[key] = i
+        out.append(target)
+    if not out:
+        raise InvalidTargetsError("targets must not be empty")
+    return out
+
+
+def _dumps(obj: object) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def canonical(targets: Iterable[Target]) -> str:
+    """The canonical JSON text of a target list, the input of :func:`idem_key`.
+
+    UTF-8 JSON of ``[t.to_json() for t in targets]``: keys sorted, no white space,
+    non-ASCII kept as is, default-valued options (and an all-default ``options``) left
+    out. Keys are persisted, so this form must never change silently.
+    """
+    return _dumps([t.to_json() for t in targets])
+
+
+def idem_key(caller: str, targets: Iterable[Target]) -> str:
+    """``sha256(caller + "\\x00" + canonical(targets))`` as 64 hex digits."""
+    data = (caller + "\x00" + canonical(targets)).encode("utf-8")
+    return hashlib.sha256(data).hexdigest()
+
+
+@attrs.frozen
+class Result:
+    """A completed target's outcome: its content and JSON-encodable metadata."""
+
+    content: str
+    meta: dict[str, Any] = attrs.field(factory=dict, hash=False)
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"content": ..., "meta": {...}}``; ``meta`` left out when empty."""
+        out: dict[str, Any] = {"content": self.content}
+        if self.meta:
+            out["meta"] = self.meta
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> Result:
+        """Rebuild a result stored by :meth:`to_json`."""
+        return cls(content=obj.get("content", ""), meta=dict(obj.get("meta") or {}))
+
+
+@attrs.frozen
+class Job:
+    """A job as callers see it."""
+
+    id: str
+    status: str
+    error: str
+    targets_total: int
+    targets_done: int
+    finished_at: dt.datetime | None
+    caller: str = ""
+    caller_class: str = ""
+    created_at: dt.datetime | None = None
+    updated_at: dt.datetime | None = None
+    expires_at: dt.datetime | None = None
+    owner: str = ""
+    targets_failed: int = 0
+
+    @property
+    def terminal(self) -> bool:
+        """Whether the status is final (done, failed, partial or cancelled)."""
+        return self.status in ("done", "failed", "partial", "cancelled")
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict, timestamps as ISO 8601 strings."""
+        out = attrs.asdict(self)
+        for key, value in out.items():
+            if isinstance(value, dt.datetime):
+                out[key] = value.isoformat()
+        return out
+
+
+@attrs.frozen
+class TargetStatus:
+    """One target of a job as callers see it."""
+
+    idx: int
+    url: str
+    status: str
+    result: Result | None
+    error: str
+    hint: str
+    options: Options = Options()
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {
+            "idx": self.idx,
+            "url": self.url,
+            "options": self.options.to_json(),
+            "status": self.status,
+            "result": self.result.to_json() if self.result is not None else None,
+            "error": self.error,
+            "hint": self.hint,
+        }
+
+
+T = TypeVar("T")
+
+
+def _positive_or_default(default: T) -> Callable[[Any], Any]:
+    """A converter: 0 (or a zero timedelta) means the default; numbers become timedeltas."""
+
+    def convert(value: Any) -> Any:
+        if isinstance(default, dt.timedelta) and isinstance(value, (int, float)):
+            if isinstance(value, bool):
+                raise TypeError(f"expected a timedelta, not {value!r}")
+            value = dt.timedelta(seconds=value)
+        if not value:
+            return default
+        return value
+
+    return convert
+
+
+def _not_negative(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    zero: Any = dt.timedelta(0) if isinstance(value, dt.timedelta) else 0
+    if isinstance(value, bool) or not isinstance(value, type(zero)):
+        raise TypeError(f"Config.{attribute.name} must be {type(zero).__name__}, not {value!r}")
+    if value < zero:
+        raise ValueError(f"Config.{attribute.name} must not be negative, got {value!r}")
+
+
+def _field(default: Any) -> Any:
+    return attrs.field(
+        default=default, converter=_positive_or_default(default), validator=_not_negative
+    )
+
+
+@attrs.frozen
+class Config:
+    """Runner settings. A 0 means the default; a negative value is a ``ValueError``.
+
+    Attributes:
+        ttl: how long a job stays readable after its last write (timedelta or seconds).
+        targets_per_job: most targets a job may have.
+        jobs_per_caller: most live (queued/running) jobs one caller may have.
+        jobs_total: most live jobs across all callers.
+        heartbeat: how often a runner proves it is alive; its jobs are reaped as orphans
+            after three missed beats.
+        max_result_bytes: largest stored result (UTF-8 bytes of its JSON); larger fails.
+        write_retry: how long a drain retries storing a fetched result through a
+            database outage before it gives up (the result is never fetched again).
+        purge_interval: least time between two purges of lapsed jobs.
+    """
+
+    ttl: dt.timedelta = _field(dt.timedelta(hours=24))
+    targets_per_job: int = _field(32)
+    jobs_per_caller: int = _field(1)
+    jobs_total: int = _field(8)
+    heartbeat: dt.timedelta = _field(dt.timedelta(seconds=10))
+    max_result_bytes: int = _field(8 * 1024 * 1024)
+    write_retry: dt.timedelta = _field(dt.timedelta(seconds=60))
+    purge_interval: dt.timedelta = _field(dt.timedelta(seconds=60))
