@@ -8,6 +8,7 @@ __all__ = [
     "BusyError",
     "CallerBusyError",
     "FetchError",
+    "IdempotencyKeyMismatchError",
     "InvalidTargetsError",
     "RunnerClosedError",
     "StoreError",
@@ -69,6 +70,19 @@ class BusyError(SubmitError):
         super().__init__(f"busy: {live} live job(s) in all, at most {limit}; retry later")
         self.live = live
         self.limit = limit
+
+
+class IdempotencyKeyMismatchError(SubmitError):
+    """The idempotency key was already used for different targets; use a new key."""
+
+    http_status = 422
+
+    def __init__(self, key: str):
+        super().__init__(
+            f"idempotency key {key!r} was already used with different targets; "
+            "use a new key for a new job"
+        )
+        self.key = key
 
 
 class RunnerClosedError(SubmitError, RuntimeError):

@@ -21,19 +21,23 @@ from ._errors import (
     BusyError,
     CallerBusyError,
     FetchError,
+    IdempotencyKeyMismatchError,
     InvalidTargetsError,
     RunnerClosedError,
     TooManyTargetsError,
 )
 from ._values import (
     MAX_CALLER_LENGTH,
+    MAX_KEY_LENGTH,
     Config,
     Job,
     Options,
     Result,
     Target,
     TargetStatus,
+    canonical,
     check_text,
+    client_idem_key,
     idem_key,
     normalize_targets,
 )
@@ -166,7 +170,14 @@ class Runner:
 
     # -- submit -------------------------------------------------------------------------
 
-    def submit(self, caller: str, caller_class: str, targets: Sequence[Any]) -> tuple[str, bool]:
+    def submit(
+        self,
+        caller: str,
+        caller_class: str,
+        targets: Sequence[Any],
+        *,
+        idempotency_key: str | None = None,
+    ) -> tuple[str, bool]:
         """Submit a job and start draining it; return ``(job_id, reused)``.
 
         Idempotent: the same caller submitting the same targets (by canonical form)
@@ -174,8 +185,13 @@ class Runner:
         any status, and no caps are checked. Otherwise the caps apply and the new job is
         ``running`` when this returns.
 
+        With ``idempotency_key`` (a client-chosen key, as HTTP's ``Idempotency-Key``
+        header), the key instead of the content decides: the same caller and key return
+        the same job, and the same key with different targets is refused.
+
         Raises:
-            InvalidTargetsError: the targets, caller or caller class are malformed.
+            InvalidTargetsError: the targets, caller, caller class or key are malformed.
+            IdempotencyKeyMismatchError: the key was used for different targets.
             TooManyTargetsError: more than ``Config.targets_per_job`` targets.
             CallerBusyError: the caller has ``Config.jobs_per_caller`` live jobs.
             BusyError: ``Config.jobs_total`` jobs are live in all.
@@ -191,12 +207,20 @@ class Runner:
                 raise InvalidTargetsError(str(exc), field=what) from None
         items = normalize_targets(targets)
         cfg = self._config
-        key = idem_key(caller, items)
+        if idempotency_key is None:
+            key = idem_key(caller, items)
+        else:
+            try:
+                check_text(idempotency_key, "idempotency key", limit=MAX_KEY_LENGTH)
+            except ValueError as exc:
+                raise InvalidTargetsError(str(exc), field="idempotency_key") from None
+            key = client_idem_key(caller, idempotency_key)
         now = self._clock()
         if len(items) > cfg.targets_per_job:
             # Idempotency comes first even here: an identical job that exists is returned.
             found = self._db.batch_job_by_idem(caller, key, now=now)
             if found is not None:
+                self._check_same_payload(found.id, items, idempotency_key)
                 return found.id, True
             raise TooManyTargetsError(len(items), cfg.targets_per_job)
         job_id = new_job_id()
@@ -217,6 +241,7 @@ class Runner:
         self._maybe_purge()
         if outcome.kind == "reused":
             assert outcome.job is not None
+            self._check_same_payload(outcome.job.id, items, idempotency_key)
             return outcome.job.id, True
         if outcome.kind == "caller_busy":
             raise CallerBusyError(caller, outcome.live, cfg.jobs_per_caller)
@@ -231,6 +256,19 @@ class Runner:
             extra={"job_id": job_id},
         )
         return job_id, False
+
+    def _check_same_payload(
+        self, job_id: str, items: list[Target], idempotency_key: str | None
+    ) -> None:
+        """A client key reused for other targets is an error, not a silent reuse."""
+        if idempotency_key is None:
+            return  # the content decided, so the payload is the same by construction
+        found = self._db.get_job_with_targets(job_id, now=self._clock())
+        if found is None:
+            return
+        stored = [Target(t.url, Options(**json.loads(t.options))) for t in found[1]]
+        if canonical(stored) != canonical(items):
+            raise IdempotencyKeyMismatchError(idempotency_key)
 
     def _start(self, job_id: str, items: list[Target]) -> None:
         drain = _Drain(job_id, items)

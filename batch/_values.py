@@ -14,6 +14,7 @@ from ._errors import InvalidTargetsError
 
 __all__ = [
     "MAX_CALLER_LENGTH",
+    "MAX_KEY_LENGTH",
     "MAX_OPTION_LENGTH",
     "MAX_URL_LENGTH",
     "Config",
@@ -24,6 +25,7 @@ __all__ = [
     "TargetStatus",
     "canonical",
     "check_text",
+    "client_idem_key",
     "idem_key",
     "normalize_targets",
 ]
@@ -31,6 +33,7 @@ __all__ = [
 MAX_URL_LENGTH = 8192
 MAX_OPTION_LENGTH = 8192
 MAX_CALLER_LENGTH = 191  # the store's key columns (utf8mb4 index limit on MySQL)
+MAX_KEY_LENGTH = 255
 
 _STR_OPTIONS = ("mode", "question", "pages", "grep", "jq")
 _BOOL_OPTIONS = ("context", "recover")
@@ -213,6 +216,15 @@ def idem_key(caller: str, targets: Iterable[Target]) -> str:
     """``sha256(caller + "\\x00" + canonical(targets))`` as 64 hex digits."""
     data = (caller + "\x00" + canonical(targets)).encode("utf-8")
     return hashlib.sha256(data).hexdigest()
+
+
+def client_idem_key(caller: str, key: str) -> str:
+    """The idempotency key for a client-chosen key (HTTP ``Idempotency-Key``).
+
+    ``sha256(caller + "\x00" + "idempotency-key:" + key)``: a canonical form always
+    starts with ``[``, so this can never equal a content-derived key.
+    """
+    return hashlib.sha256((caller + "\x00idempotency-key:" + key).encode("utf-8")).hexdigest()
 
 
 @attrs.frozen
