@@ -292,18 +292,19 @@ class Runner:
         extra = {"job_id": job_id}
         stopped_early = False
         try:
-            for idx, target in enumerate(drain.targets):
-                if drain.stop.is_set():
-                    stopped_early = True
-                    break
-                fields = self._call_fetch(job_id, idx, target)
-                outcome = self._store(job_id, idx, fields)
-                if outcome is None:  # the store gave up; the job is left to be failed
-                    break
-                if not outcome.running:
-                    if outcome.status and not outcome.finished:
+            with self._db.writer() as writer:
+                for idx, target in enumerate(drain.targets):
+                    if drain.stop.is_set():
                         stopped_early = True
-                    break
+                        break
+                    fields = self._call_fetch(job_id, idx, target)
+                    outcome = self._store(writer, job_id, idx, fields)
+                    if outcome is None:  # the store gave up; the job is left to be failed
+                        break
+                    if not outcome.running:
+                        if outcome.status and not outcome.finished:
+                            stopped_early = True
+                        break
             if stopped_early:
                 self._finish_stopped(drain)
         except BaseException:
@@ -368,7 +369,9 @@ class Runner:
             }
         return {"status": "done", "result": payload}
 
-    def _store(self, job_id: str, idx: int, fields: dict[str, Any]) -> WriteOutcome | None:
+    def _store(
+        self, writer: dcache.Writer, job_id: str, idx: int, fields: dict[str, Any]
+    ) -> WriteOutcome | None:
         """Write one target, retrying through outages; the fetch is never repeated."""
         extra = {"job_id": job_id}
         budget = self._config.write_retry.total_seconds()
@@ -381,7 +384,7 @@ class Runner:
                 wait_max=2.0,
             ):
                 with attempt:
-                    return self._db.write_target(
+                    return writer.write_target(
                         job_id, idx, ttl=self._config.ttl, now=self._clock(), **fields
                     )
         except StoreUnavailableError:
@@ -404,6 +407,7 @@ class Runner:
                     extra=extra,
                 )
                 return self._store(
+                    writer,
                     job_id,
                     idx,
                     {

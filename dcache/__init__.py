@@ -6,7 +6,7 @@ MySQL/MariaDB (PyMySQL) when several processes or hosts share one database.
 
 from __future__ import annotations
 
-from ._db import DB, utcnow
+from ._db import DB, Writer, utcnow
 from ._errors import SchemaVersionError, StoreError, StoreUnavailableError, is_transient
 from ._rows import JobRow, NewTarget, SubmitOutcome, TargetRow, WriteOutcome
 from ._schema import LIVE, SCHEMA_VERSION, TERMINAL
@@ -24,6 +24,7 @@ __all__ = [
     "SubmitOutcome",
     "TargetRow",
     "WriteOutcome",
+    "Writer",
     "is_transient",
     "utcnow",
 ]

@@ -13,8 +13,10 @@ from typing import Any
 from sqlalchemy import (
     Connection,
     Engine,
+    Integer,
     Row,
     and_,
+    bindparam,
     case,
     create_engine,
     delete,
@@ -45,13 +47,14 @@ from ._schema import (
     targets,
 )
 
-__all__ = ["DB", "utcnow"]
+__all__ = ["DB", "Writer", "utcnow"]
 
 log = logging.getLogger("dcache")
 
 DEFAULT_URL = "sqlite:///dcache.sqlite3"
 _WRITE = "dcache_write"  # execution option read by the SQLite "begin" hook
 _SYNCHRONOUS = ("OFF", "NORMAL", "FULL", "EXTRA")
+_US = dt.timedelta(microseconds=1)
 
 
 def utcnow() -> dt.datetime:
@@ -117,7 +120,7 @@ def _job_row(row: Row[Any]) -> JobRow:
         targets_done=m["targets_done"],
         targets_failed=m["targets_failed"],
         owner=m["owner"],
-        ttl=dt.timedelta(seconds=m["ttl_s"]),
+        ttl=dt.timedelta(microseconds=m["ttl_us"]),
         created_at=m["created_at"],
         updated_at=m["updated_at"],
         expires_at=m["expires_at"],
@@ -425,7 +428,7 @@ class DB:
             "targets_done": 0,
             "targets_failed": 0,
             "owner": owner,
-            "ttl_s": ttl.total_seconds(),
+            "ttl_us": ttl // _US,
             "created_at": now,
             "updated_at": now,
             "expires_at": now + ttl,
@@ -450,7 +453,7 @@ class DB:
             ],
         )
         job["ttl"] = ttl
-        del job["ttl_s"]
+        del job["ttl_us"]
         return SubmitOutcome("created", JobRow(**job))
 
     @staticmethod
@@ -561,7 +564,15 @@ class DB:
 
     # -- the drain's write --------------------------------------------------------------
 
-    @wrap_errors
+    def writer(self) -> Writer:
+        """A writer that holds one connection for a drain's life (use it as a context).
+
+        A drain writes each target in its own transaction; reusing one connection saves
+        a pool checkout and a reset round trip per target. A connection that fails is
+        dropped and replaced on the next write.
+        """
+        return Writer(self)
+
     def write_target(
         self,
         job_id: str,
@@ -582,70 +593,23 @@ class DB:
         the job is no longer live (cancelled, or failed by a reaper), the target is still
         stored and the job is marked finished, so its drain stops after this write.
         """
-        if status not in ("done", "failed"):
-            raise ValueError(f"a target is written done or failed, not {status!r}")
-        now = _now(now)
-        failed = 1 if status == "failed" else 0
-        with self._write() as conn:
-            won = conn.execute(
-                update(targets)
-                .where(
-                    targets.c.job_id == job_id,
-                    targets.c.idx == idx,
-                    targets.c.status == "pending",
-                )
-                .values(status=status, result=result, error=error, hint=hint, updated_at=now)
-            ).rowcount
-            if won != 1:
-                st = conn.execute(select(jobs.c.status).where(jobs.c.id == job_id)).scalar()
-                return WriteOutcome(False, st or "")
-            last = and_(jobs.c.status == "running", jobs.c.targets_done + 1 >= jobs.c.targets_total)
-            ended = or_(last, jobs.c.status.not_in(LIVE))
-            new_failed = jobs.c.targets_failed + failed
-            # Every right-hand side reads only old values: MySQL evaluates SET assignments
-            # left to right with the new values, PostgreSQL and SQLite with the old ones;
-            # ordering the assignments so none reads a column set before it keeps them equal.
-            conn.execute(
-                update(jobs)
-                .where(jobs.c.id == job_id)
-                .ordered_values(
-                    (
-                        jobs.c.finished_at,
-                        case(
-                            (ended, func.coalesce(jobs.c.finished_at, literal(now, UTCDateTime))),
-                            else_=jobs.c.finished_at,
-                        ),
-                    ),
-                    (
-                        jobs.c.status,
-                        case(
-                            (
-                                last,
-                                case(
-                                    (new_failed == 0, literal("done")),
-                                    (new_failed >= jobs.c.targets_total, literal("failed")),
-                                    else_=literal("partial"),
-                                ),
-                            ),
-                            else_=jobs.c.status,
-                        ),
-                    ),
-                    (jobs.c.targets_done, jobs.c.targets_done + 1),
-                    (jobs.c.targets_failed, new_failed),
-                    (jobs.c.updated_at, now),
-                    (jobs.c.expires_at, now + ttl),
-                )
+        with self.writer() as w:
+            return w.write_target(
+                job_id,
+                idx,
+                status=status,
+                result=result,
+                error=error,
+                hint=hint,
+                ttl=ttl,
+                now=now,
             )
-            row = conn.execute(
-                select(jobs.c.status, jobs.c.finished_at).where(jobs.c.id == job_id)
-            ).one()
-        return WriteOutcome(True, row.status, finished=row.finished_at is not None)
 
     # -- status changes (compare-and-set, each bumps the lease) -------------------------
 
     def _ttl_of(self, conn: Connection, job_id: str) -> dt.timedelta | None:
-        ttl_s = conn.execute(select(jobs.c.ttl_s).where(jobs.c.id == job_id)).scalar()
-        return dt.timedelta(seconds=ttl_s) if ttl_s is not None else None
+        ttl_us = conn.execute(select(jobs.c.ttl_us).where(jobs.c.id == job_id)).scalar()
+        return dt.timedelta(microseconds=ttl_us) if ttl_us is not None else None
 
     @wrap_errors
     def cancel(self, job_id: str, now: dt.datetime | None = None) -> bool:
@@ -727,7 +691,7 @@ class DB:
         now = _now(now)
         with self._write() as conn:
             rows = conn.execute(
-                select(jobs.c.id, jobs.c.status, jobs.c.ttl_s)
+                select(jobs.c.id, jobs.c.status, jobs.c.ttl_us)
                 .where(
                     or_(
                         jobs.c.status.in_(LIVE),
@@ -743,7 +707,7 @@ class DB:
         # through a secondary index would deadlock against per-target writes.
         marked = 0
         for r in rows:
-            ttl = dt.timedelta(seconds=r.ttl_s)
+            ttl = dt.timedelta(microseconds=r.ttl_us)
             if r.status in LIVE:
                 marked += self._fail(conn, r.id, reason, ttl, now)
             else:
@@ -785,7 +749,7 @@ class DB:
         with self._write() as conn:
             stale = or_(owners.c.owner.is_(None), owners.c.heartbeat_at < cutoff)
             rows = conn.execute(
-                select(jobs.c.id, jobs.c.status, jobs.c.ttl_s)
+                select(jobs.c.id, jobs.c.status, jobs.c.ttl_us)
                 .select_from(jobs.outerjoin(owners, owners.c.owner == jobs.c.owner))
                 .where(
                     or_(
@@ -839,6 +803,141 @@ class DB:
             if len(ids) < limit:
                 break
         return gone
+
+
+# The per-target write, built once: constructing these expressions per call costs more
+# than SQLite's own work for the write.
+_W_TARGET = (
+    update(targets)
+    .where(
+        targets.c.job_id == bindparam("j"),
+        targets.c.idx == bindparam("i"),
+        targets.c.status == "pending",
+    )
+    .values(
+        status=bindparam("st"),
+        result=bindparam("res"),
+        error=bindparam("err"),
+        hint=bindparam("hint"),
+        updated_at=bindparam("now", type_=UTCDateTime),
+    )
+)
+_last = and_(jobs.c.status == "running", jobs.c.targets_done + 1 >= jobs.c.targets_total)
+_ended = or_(_last, jobs.c.status.not_in(LIVE))
+_new_failed = jobs.c.targets_failed + bindparam("f", type_=Integer)
+# Every right-hand side reads only old values: MySQL evaluates SET assignments left to
+# right with the new values, PostgreSQL and SQLite with the old ones; ordering the
+# assignments so that none reads a column set before it makes them agree.
+_W_JOB = (
+    update(jobs)
+    .where(jobs.c.id == bindparam("j"))
+    .ordered_values(
+        (
+            jobs.c.finished_at,
+            case(
+                (_ended, func.coalesce(jobs.c.finished_at, bindparam("now", type_=UTCDateTime))),
+                else_=jobs.c.finished_at,
+            ),
+        ),
+        (
+            jobs.c.status,
+            case(
+                (
+                    _last,
+                    case(
+                        (_new_failed == 0, literal("done")),
+                        (_new_failed >= jobs.c.targets_total, literal("failed")),
+                        else_=literal("partial"),
+                    ),
+                ),
+                else_=jobs.c.status,
+            ),
+        ),
+        (jobs.c.targets_done, jobs.c.targets_done + 1),
+        (jobs.c.targets_failed, _new_failed),
+        (jobs.c.updated_at, bindparam("now", type_=UTCDateTime)),
+        (jobs.c.expires_at, bindparam("exp", type_=UTCDateTime)),
+    )
+)
+_W_JOB_RETURNING = _W_JOB.returning(jobs.c.status, jobs.c.finished_at)
+_W_JOB_READ = select(jobs.c.status, jobs.c.finished_at).where(jobs.c.id == bindparam("j"))
+
+
+class Writer:
+    """Per-target writes for one drain, on one held connection (see :meth:`DB.writer`)."""
+
+    def __init__(self, db: DB) -> None:
+        self._db = db
+        self._conn: Connection | None = None
+        dialect = db.engine.dialect
+        self._returning = bool(getattr(dialect, "update_returning", False))
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Give the held connection back to the pool."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(sa_exc.SQLAlchemyError):
+                conn.close()
+
+    @wrap_errors
+    def write_target(
+        self,
+        job_id: str,
+        idx: int,
+        *,
+        status: str,
+        result: str | None = None,
+        error: str = "",
+        hint: str = "",
+        ttl: dt.timedelta,
+        now: dt.datetime | None = None,
+    ) -> WriteOutcome:
+        """As :meth:`DB.write_target`, on the held connection."""
+        if status not in ("done", "failed"):
+            raise ValueError(f"a target is written done or failed, not {status!r}")
+        now = _now(now)
+        if self._conn is None:
+            self._conn = self._db._wengine.connect()
+        conn = self._conn
+        try:
+            with conn.begin():
+                won = conn.execute(
+                    _W_TARGET,
+                    {
+                        "j": job_id,
+                        "i": idx,
+                        "st": status,
+                        "res": result,
+                        "err": error,
+                        "hint": hint,
+                        "now": now,
+                    },
+                ).rowcount
+                if won != 1:
+                    st = conn.execute(_W_JOB_READ, {"j": job_id}).first()
+                    return WriteOutcome(False, st.status if st is not None else "")
+                params = {
+                    "j": job_id,
+                    "f": 1 if status == "failed" else 0,
+                    "now": now,
+                    "exp": now + ttl,
+                }
+                if self._returning:
+                    row = conn.execute(_W_JOB_RETURNING, params).one()
+                else:
+                    conn.execute(_W_JOB, params)
+                    row = conn.execute(_W_JOB_READ, params).one()
+            return WriteOutcome(True, row.status, finished=row.finished_at is not None)
+        except BaseException:
+            # The connection may be broken or mid-transaction: never reuse it.
+            self.close()
+            raise
 
 
 def _sqlite_begin_marker(conn: Connection) -> None:

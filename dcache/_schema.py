@@ -6,9 +6,9 @@ import datetime as dt
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     Column,
     DateTime,
-    Float,
     ForeignKey,
     Index,
     Integer,
@@ -89,11 +89,21 @@ class LongText(TypeDecorator[str]):
 
 metadata = MetaData()
 
+# On MySQL/MariaDB every table is utf8mb4 with a binary collation: the server defaults
+# (latin1, or case- and accent-insensitive collations) would merge distinct callers,
+# keys and ids ("Alice" = "alice" = "Alicé") and corrupt non-Latin-1 text.
+_MYSQL: dict[str, Any] = {
+    "mysql_engine": "InnoDB",
+    "mysql_charset": "utf8mb4",
+    "mysql_collate": "utf8mb4_bin",
+}
+
 meta = Table(
     "dcache_meta",
     metadata,
     Column("key", String(64), primary_key=True),
     Column("value", String(255), nullable=False),
+    **_MYSQL,
 )
 
 # Lock rows: one global row (created with the schema) and one per caller (created on
@@ -102,6 +112,7 @@ locks = Table(
     "batch_lock",
     metadata,
     Column("name", String(KEY + 9), primary_key=True),
+    **_MYSQL,
 )
 
 jobs = Table(
@@ -117,7 +128,7 @@ jobs = Table(
     Column("targets_done", Integer, nullable=False, default=0),
     Column("targets_failed", Integer, nullable=False, default=0),
     Column("owner", String(64), nullable=False, default=""),
-    Column("ttl_s", Float, nullable=False),
+    Column("ttl_us", BigInteger, nullable=False),  # exact: microseconds
     Column("created_at", UTCDateTime, nullable=False),
     Column("updated_at", UTCDateTime, nullable=False),
     Column("expires_at", UTCDateTime, nullable=False),
@@ -127,6 +138,7 @@ jobs = Table(
     Index("ix_batch_job_status", "status"),
     Index("ix_batch_job_expires", "expires_at"),
     Index("ix_batch_job_owner_status", "owner", "status"),
+    **_MYSQL,
 )
 
 targets = Table(
@@ -146,6 +158,7 @@ targets = Table(
     Column("error", Text, nullable=False, default=""),
     Column("hint", Text, nullable=False, default=""),
     Column("updated_at", UTCDateTime, nullable=True),
+    **_MYSQL,
 )
 
 # One row per live Runner (its owner id), refreshed by its heartbeat thread.
@@ -155,4 +168,5 @@ owners = Table(
     Column("owner", String(64), primary_key=True),
     Column("heartbeat_at", UTCDateTime, nullable=False),
     Column("started_at", UTCDateTime, nullable=False),
+    **_MYSQL,
 )
