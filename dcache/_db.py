@@ -188,6 +188,7 @@ class DB:
         *,
         synchronous: str = "NORMAL",
         busy_timeout: float = 30.0,
+        connect_timeout: float = 5.0,
         **engine_options: Any,
     ) -> DB:
         """Open (and create if needed) the store at a SQLAlchemy URL.
@@ -198,6 +199,7 @@ class DB:
             synchronous: SQLite only: ``NORMAL`` (the default; durable across process
                 crashes, WAL) or ``FULL`` (also durable across power loss).
             busy_timeout: SQLite only: seconds to wait for a write lock.
+            connect_timeout: PostgreSQL and MySQL: seconds to wait for a connection.
             **engine_options: passed to :func:`sqlalchemy.create_engine`.
         """
         sync = synchronous.upper()
@@ -217,9 +219,17 @@ class DB:
                 _install_sqlite_hooks(engine, synchronous=sync, busy_timeout=busy_timeout)
                 event.listen(engine, "begin", _sqlite_begin_marker)
             else:
-                if u.get_backend_name() in ("mysql", "mariadb") and "charset" not in u.query:
+                backend = u.get_backend_name()
+                if backend in ("mysql", "mariadb") and "charset" not in u.query:
                     u = u.update_query_dict({"charset": "utf8mb4"})
-                opts = {"pool_size": 8, "max_overflow": 24}
+                # Fail fast when the server is unreachable, and test pooled connections
+                # before use so a server restart costs no request an error.
+                opts = {
+                    "pool_size": 8,
+                    "max_overflow": 24,
+                    "pool_pre_ping": True,
+                    "connect_args": {"connect_timeout": int(connect_timeout)},
+                }
                 opts.update(engine_options)
                 engine = create_engine(u, **opts)
         except sa_exc.SQLAlchemyError as exc:
