@@ -150,8 +150,9 @@ class Runner:
         self._closed = False
         self._stopping = threading.Event()
         self._next_purge = 0.0
+        self._stale_after = self._config.heartbeat * _ORPHAN_BEATS
         self._purging = False
-        self._db.heartbeat(self.owner, now=self._clock())
+        self._db.heartbeat(self.owner, now=self._clock(), stale_after=self._stale_after)
         self._reap()
         self._beat_thread = threading.Thread(
             target=self._beat_loop, name=f"batch-heartbeat-{self.owner[:8]}", daemon=True
@@ -230,7 +231,10 @@ class Runner:
             caller_class=caller_class,
             idem_key=key,
             targets=[
-                NewTarget(t.url, json.dumps(t.options.to_json(), sort_keys=True)) for t in items
+                NewTarget(
+                    t.url, json.dumps(t.options.to_json(), sort_keys=True, ensure_ascii=False)
+                )
+                for t in items
             ],
             ttl=cfg.ttl,
             jobs_per_caller=cfg.jobs_per_caller,
@@ -522,23 +526,31 @@ class Runner:
     # -- owner heartbeat, reaping, purging ----------------------------------------------
 
     def _reap(self) -> int:
-        stale = self._config.heartbeat * _ORPHAN_BEATS
-        n = self._db.reap_orphans("restart", stale, now=self._clock())
+        n = self._db.reap_orphans("restart", self._stale_after, now=self._clock())
         if n:
             self._log.warning("marked %d orphaned job(s) failed: their runner stopped", n)
         return n
 
     def _beat_loop(self) -> None:
         period = self._config.heartbeat.total_seconds()
+        guard = self._stale_after.total_seconds()
+        healthy_since = time.monotonic()
         while not self._stopping.wait(period):
             try:
-                self._db.heartbeat(self.owner, now=self._clock())
-                self._reap()
+                self._db.heartbeat(self.owner, now=self._clock(), stale_after=self._stale_after)
+                # After an outage every peer's beat looks stale; reap only once our own
+                # beats have gone through for a whole staleness window again.
+                if time.monotonic() - healthy_since >= guard:
+                    self._reap()
                 self._retry_abandoned()
             except StoreError:
+                healthy_since = float("inf")
                 self._log.warning("heartbeat failed; retrying next period", exc_info=True)
             except BaseException:
                 self._log.critical("heartbeat crashed; retrying next period", exc_info=True)
+            else:
+                if healthy_since == float("inf"):
+                    healthy_since = time.monotonic()
 
     def _maybe_purge(self) -> None:
         """Purge lapsed jobs now and then (at most once per ``purge_interval``)."""

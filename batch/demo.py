@@ -11,30 +11,19 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-from urllib.parse import unquote, urlparse
 
 import dcache
 
-from ._errors import FetchError
 from ._runner import Runner
 from ._values import Result, Target
+from .fetchers import Fetcher
+
+_file_fetcher = Fetcher(schemes=("file",))
 
 
 def fetch_file(target: Target) -> Result:
-    """Read a ``file://`` URL: the content, and its size and path as metadata."""
-    parsed = urlparse(target.url)
-    if parsed.scheme != "file":
-        raise FetchError(f"unsupported scheme {parsed.scheme!r}", hint="use a file:// URL")
-    path = Path(unquote(parsed.path))
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError:
-        raise FetchError(f"no such file: {path}", hint="check the path") from None
-    except OSError as exc:
-        raise FetchError(f"cannot read {path}: {exc.strerror}") from None
-    if target.options.grep:
-        text = "\n".join(line for line in text.splitlines() if target.options.grep in line)
-    return Result(text, {"bytes": path.stat().st_size, "path": str(path)})
+    """Read a ``file://`` URL: the content, with its type, size and path as metadata."""
+    return _file_fetcher(target)
 
 
 def main(argv: list[str] | None = None) -> int:

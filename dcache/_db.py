@@ -10,6 +10,7 @@ import sqlite3
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import stamina
 from sqlalchemy import (
     Connection,
     Engine,
@@ -26,6 +27,7 @@ from sqlalchemy import (
     literal,
     or_,
     select,
+    text,
     update,
 )
 from sqlalchemy import exc as sa_exc
@@ -37,6 +39,7 @@ from ._rows import JobRow, NewTarget, SubmitOutcome, TargetRow, WriteOutcome
 from ._schema import (
     GLOBAL_LOCK,
     LIVE,
+    NOPAD_COLLATIONS,
     SCHEMA_VERSION,
     UTCDateTime,
     jobs,
@@ -91,7 +94,18 @@ def _install_sqlite_hooks(engine: Engine, *, synchronous: str, busy_timeout: flo
             cur.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
             mode = cur.execute("PRAGMA journal_mode").fetchone()[0]
             if str(mode).lower() not in ("memory", "wal"):
-                cur.execute("PRAGMA journal_mode = WAL")
+                # Switching a new file to WAL needs an exclusive lock and can report
+                # "database is locked" at once, without the busy handler, while another
+                # process opens the same new file: retry it like any lock wait.
+                for attempt in stamina.retry_context(
+                    on=sqlite3.OperationalError,
+                    attempts=None,
+                    timeout=busy_timeout,
+                    wait_initial=0.01,
+                    wait_max=0.25,
+                ):
+                    with attempt:
+                        cur.execute("PRAGMA journal_mode = WAL")
             cur.execute(f"PRAGMA synchronous = {synchronous}")
             cur.execute("PRAGMA foreign_keys = ON")
         finally:
@@ -308,6 +322,7 @@ class DB:
                 if got != 1:
                     raise StoreError("timed out waiting for another process creating the schema")
                 try:
+                    self._choose_nopad_collation(conn)
                     metadata.create_all(conn)
                     self._init_meta(conn)
                     conn.commit()
@@ -320,6 +335,26 @@ class DB:
                 conn.execute(select(func.pg_advisory_xact_lock(0x6463616368)))
             metadata.create_all(conn)
             self._init_meta(conn)
+
+    @staticmethod
+    def _choose_nopad_collation(conn: Connection) -> None:
+        """Make key comparisons exact on MySQL/MariaDB: no trailing-space padding.
+
+        The chosen collation is remembered on this engine's dialect and used by the
+        ``CREATE TABLE`` compiler in ``_schema`` instead of the padding ``utf8mb4_bin``.
+        """
+        have = set(
+            conn.execute(
+                text(
+                    "SELECT COLLATION_NAME FROM information_schema.COLLATIONS "
+                    "WHERE COLLATION_NAME IN :names"
+                ).bindparams(bindparam("names", expanding=True)),
+                {"names": list(NOPAD_COLLATIONS)},
+            ).scalars()
+        )
+        chosen = next((c for c in NOPAD_COLLATIONS if c in have), None)
+        if chosen is not None:
+            conn.dialect.dcache_collation = chosen  # type: ignore[attr-defined]
 
     @staticmethod
     def _init_meta(conn: Connection) -> None:
@@ -727,15 +762,33 @@ class DB:
     # -- owners and orphans -------------------------------------------------------------
 
     @wrap_errors
-    def heartbeat(self, owner: str, now: dt.datetime | None = None) -> None:
-        """Record that ``owner`` (a live runner) is alive at ``now``."""
+    def heartbeat(
+        self,
+        owner: str,
+        now: dt.datetime | None = None,
+        *,
+        stale_after: dt.timedelta | None = None,
+    ) -> None:
+        """Record that ``owner`` (a live runner) is alive at ``now``.
+
+        ``stale_after`` is the owner's own word on how long after this beat it may be
+        taken for dead; :meth:`reap_orphans` honours it, so runners with different
+        heartbeat periods (a rolling deploy) never reap a punctual peer.
+        """
         now = _now(now)
+        stale_at = None if stale_after is None else now + stale_after
         with self._write() as conn:
             n = conn.execute(
-                update(owners).where(owners.c.owner == owner).values(heartbeat_at=now)
+                update(owners)
+                .where(owners.c.owner == owner)
+                .values(heartbeat_at=now, stale_at=stale_at)
             ).rowcount
             if n == 0:
-                conn.execute(insert(owners).values(owner=owner, heartbeat_at=now, started_at=now))
+                conn.execute(
+                    insert(owners).values(
+                        owner=owner, heartbeat_at=now, started_at=now, stale_at=stale_at
+                    )
+                )
 
     @wrap_errors
     def remove_owner(self, owner: str) -> None:
@@ -749,15 +802,20 @@ class DB:
     ) -> int:
         """Fail the live jobs whose owner stopped beating; return how many.
 
-        An owner is stale when its last heartbeat is older than ``now - stale_after`` or
-        it has no row at all. Each job is a compare-and-set, so one that finished
+        An owner is stale when it has no row, or when its last heartbeat is older than
+        ``now - stale_after`` and the ``stale_after`` it declared in :meth:`heartbeat`
+        has passed too. Each job is a compare-and-set, so one that finished
         meanwhile is never touched. Cancelled jobs of stale owners are marked finished.
         Stale owner rows are removed after their jobs, in the same transaction.
         """
         now = _now(now)
         cutoff = now - stale_after
+        # Dead by the reaper's measure AND past the owner's own declared deadline.
+        dead = and_(
+            owners.c.heartbeat_at < cutoff,
+            or_(owners.c.stale_at.is_(None), owners.c.stale_at < now),
+        )
         with self._write() as conn:
-            stale = or_(owners.c.owner.is_(None), owners.c.heartbeat_at < cutoff)
             rows = conn.execute(
                 select(jobs.c.id, jobs.c.status, jobs.c.ttl_us)
                 .select_from(jobs.outerjoin(owners, owners.c.owner == jobs.c.owner))
@@ -766,18 +824,15 @@ class DB:
                         jobs.c.status.in_(LIVE),
                         and_(jobs.c.status == "cancelled", jobs.c.finished_at.is_(None)),
                     ),
-                    stale,
+                    or_(owners.c.owner.is_(None), dead),
                 )
                 .order_by(jobs.c.id)
             ).all()
             marked = self._reap(conn, rows, reason, now)
-            dead = (
-                conn.execute(select(owners.c.owner).where(owners.c.heartbeat_at < cutoff))
-                .scalars()
-                .all()
-            )
-            if dead:
-                conn.execute(delete(owners).where(owners.c.owner.in_(dead)))
+            gone = conn.execute(select(owners.c.owner).where(dead)).scalars().all()
+            if gone:
+                # Re-check in the DELETE: an owner that beat since the select keeps its row.
+                conn.execute(delete(owners).where(owners.c.owner.in_(gone), dead))
         return marked
 
     # -- purge --------------------------------------------------------------------------
@@ -803,13 +858,25 @@ class DB:
                 )
                 if not ids:
                     break
-                gone += conn.execute(delete(jobs).where(jobs.c.id.in_(ids), lapsed)).rowcount
-                # The foreign key cascades; this also covers a connection without it. A job
-                # whose lease moved since the select is still there and keeps its targets.
-                kept = conn.execute(select(jobs.c.id).where(jobs.c.id.in_(ids))).scalars().all()
-                dropped = sorted(set(ids) - set(kept))
-                if dropped:
-                    conn.execute(delete(targets).where(targets.c.job_id.in_(dropped)))
+                # Lock in the per-target write's order, targets then job, so a late write
+                # to a lapsed job waits (and then finds its target gone) instead of
+                # deadlocking; then re-check each job under its lock: a job whose lease a
+                # write just moved is kept whole.
+                conn.execute(
+                    select(targets.c.job_id, targets.c.idx)
+                    .where(targets.c.job_id.in_(ids))
+                    .with_for_update()
+                ).all()
+                confirmed = (
+                    conn.execute(
+                        select(jobs.c.id).where(jobs.c.id.in_(ids), lapsed).with_for_update()
+                    )
+                    .scalars()
+                    .all()
+                )
+                if confirmed:
+                    conn.execute(delete(targets).where(targets.c.job_id.in_(confirmed)))
+                    gone += conn.execute(delete(jobs).where(jobs.c.id.in_(confirmed))).rowcount
             if len(ids) < limit:
                 break
         return gone

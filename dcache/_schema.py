@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import re
 from typing import Any
 
 from sqlalchemy import (
@@ -19,10 +20,15 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import mysql
 from sqlalchemy.engine import Dialect
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.schema import CreateTable
+from sqlalchemy.sql.compiler import DDLCompiler
 from sqlalchemy.types import TypeDecorator, TypeEngine
 
 __all__ = [
+    "KEY",
     "LIVE",
+    "NOPAD_COLLATIONS",
     "SCHEMA_VERSION",
     "TERMINAL",
     "UTCDateTime",
@@ -89,9 +95,14 @@ class LongText(TypeDecorator[str]):
 
 metadata = MetaData()
 
+# Binary collations without trailing-space padding: MariaDB, then MySQL 8.
+NOPAD_COLLATIONS = ("utf8mb4_nopad_bin", "utf8mb4_0900_bin")
+
 # On MySQL/MariaDB every table is utf8mb4 with a binary collation: the server defaults
 # (latin1, or case- and accent-insensitive collations) would merge distinct callers,
-# keys and ids ("Alice" = "alice" = "Alicé") and corrupt non-Latin-1 text.
+# keys and ids ("Alice" = "alice" = "Alicé") and corrupt non-Latin-1 text. utf8mb4_bin
+# still pads ("x" = "x "), so schema creation converts the tables to a NO PAD binary
+# collation where the server has one (see NOPAD_COLLATIONS).
 _MYSQL: dict[str, Any] = {
     "mysql_engine": "InnoDB",
     "mysql_charset": "utf8mb4",
@@ -152,7 +163,7 @@ targets = Table(
     ),
     Column("idx", Integer, primary_key=True, autoincrement=False),
     Column("url", Text, nullable=False),
-    Column("options", Text, nullable=False),
+    Column("options", LongText, nullable=False),
     Column("status", String(16), nullable=False),
     Column("result", LongText, nullable=True),
     Column("error", Text, nullable=False, default=""),
@@ -168,5 +179,21 @@ owners = Table(
     Column("owner", String(64), primary_key=True),
     Column("heartbeat_at", UTCDateTime, nullable=False),
     Column("started_at", UTCDateTime, nullable=False),
+    # When the owner itself says it may be taken for dead (its last beat + 3 periods).
+    Column("stale_at", UTCDateTime, nullable=True),
     **_MYSQL,
 )
+
+
+_PADDING_BIN = re.compile(r"COLLATE\s*=?\s*utf8mb4_bin\b")
+
+
+@compiles(CreateTable, "mysql")
+@compiles(CreateTable, "mariadb")
+def _create_table_nopad(element: CreateTable, compiler: DDLCompiler, **kw: Any) -> str:
+    """Create MySQL tables with the NO PAD binary collation chosen for this engine."""
+    sql: str = compiler.visit_create_table(element, **kw)  # type: ignore[no-untyped-call]
+    chosen = getattr(compiler.dialect, "dcache_collation", None)
+    if chosen:
+        sql = _PADDING_BIN.sub(f"COLLATE={chosen}", sql)
+    return sql

@@ -1,0 +1,611 @@
+"""The command line: ``python -m batch`` (or ``batch``) run, status, cancel, jobs, purge.
+
+Exit statuses: 0 success (``run``: the job is done); 1 the job ended partial, failed or
+cancelled, or the job asked for does not exist; 2 bad input or usage; 75 busy or the
+database unavailable (retry later); 130 interrupted (``run`` cancels its job first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib
+import io
+import json
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from types import FrameType
+from typing import IO, Any, Protocol
+
+import dcache
+
+from ._errors import (
+    BusyError,
+    CallerBusyError,
+    InvalidTargetsError,
+    SubmitError,
+    TooManyTargetsError,
+)
+from ._runner import Fetch, Runner
+from ._values import Job, Target, TargetStatus, normalize_targets
+
+__all__ = [
+    "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_TEMPFAIL",
+    "EXIT_USAGE",
+    "main",
+    "read_targets",
+]
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_TEMPFAIL = 75  # sysexits.h EX_TEMPFAIL: busy or database unavailable, retry later
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+
+DEFAULT_DB = "sqlite:///batch.sqlite3"
+DEFAULT_FETCH = "batch.fetchers:fetch"
+_POLL = 0.2  # seconds between progress updates while waiting
+
+
+class InputError(Exception):
+    """The targets file (or a command-line value) is unusable; the message says where."""
+
+
+# -- input -------------------------------------------------------------------------------
+
+
+def read_targets(lines: Iterable[str], source: str = "<stdin>") -> list[Target]:
+    """Parse targets: one URL a line, or one JSON object a line (``{"url", "options"}``).
+
+    Blank lines and lines starting with ``#`` are skipped. Raises :class:`InputError`
+    naming the line at fault (bad JSON, an invalid target, a duplicate, no targets).
+    """
+    items: list[object] = []
+    where: list[int] = []
+    for lineno, raw in enumerate(lines, 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("{"):
+            try:
+                item: object = json.loads(line)
+            except ValueError as exc:
+                raise InputError(f"{source}:{lineno}: not valid JSON: {exc}") from None
+        elif any(c.isspace() for c in line):
+            raise InputError(
+                f"{source}:{lineno}: one URL a line, or a JSON object with options; "
+                f"got {line[:80]!r}"
+            )
+        else:
+            item = {"url": line}
+        items.append(item)
+        where.append(lineno)
+    if not items:
+        raise InputError(f"{source}: no targets (one URL a line, or JSON lines)")
+    try:
+        return normalize_targets(items)
+    except InvalidTargetsError as exc:
+        at = f"{source}:{where[exc.index]}" if exc.index is not None else source
+        raise InputError(f"{at}: {exc}") from None
+
+
+def _read_file(path: str) -> list[Target]:
+    if path == "-":
+        stdin = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="strict")
+        try:
+            return read_targets(stdin.readlines(), "<stdin>")
+        except UnicodeDecodeError as exc:
+            raise InputError(f"<stdin>: not UTF-8 text: {exc}") from None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            lines = fh.readlines()
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path}: not UTF-8 text: {exc}") from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    return read_targets(lines, path)
+
+
+def _load_fetch(spec: str) -> Fetch:
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise InputError(f"--fetch {spec!r}: use module:callable (e.g. {DEFAULT_FETCH})")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does: local modules are found
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise InputError(f"--fetch {spec!r}: cannot import {module_name}: {exc}") from None
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise InputError(f"--fetch {spec!r}: {module_name} has no {attr}") from None
+    if not callable(obj):
+        raise InputError(f"--fetch {spec!r}: {attr} is not callable")
+    fetch: Fetch = obj
+    return fetch
+
+
+# -- output ------------------------------------------------------------------------------
+
+
+def _say(message: str) -> None:
+    print(f"batch: {message}", file=sys.stderr, flush=True)
+
+
+def _emit(obj: object) -> None:
+    """One JSON line on stdout, UTF-8 whatever the locale says (JSON Lines is UTF-8)."""
+    line = json.dumps(obj, ensure_ascii=False) + "\n"
+    buffer = getattr(sys.stdout, "buffer", None)
+    if buffer is not None:
+        sys.stdout.flush()
+        buffer.write(line.encode("utf-8"))
+        buffer.flush()
+    else:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+
+
+def _when(value: dt.datetime | None) -> str:
+    if value is None:
+        return "-"
+    return value.astimezone(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def _table(rows: Sequence[Sequence[str]], out: IO[str]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        cells = [cell.ljust(widths[i]) for i, cell in enumerate(row[:-1])]
+        print("  ".join([*cells, row[-1]]).rstrip(), file=out)
+
+
+def _short(text: str, width: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _summary(job: Job) -> str:
+    failed = f", {job.targets_failed} failed" if job.targets_failed else ""
+    error = f" ({job.error})" if job.error else ""
+    return (
+        f"job {job.id}: {job.status}{error}, {job.targets_done}/{job.targets_total} "
+        f"target(s) stored{failed}"
+    )
+
+
+class _Bar(Protocol):
+    def update(self, job: Job) -> None: ...
+    def close(self) -> None: ...
+
+
+class _NoBar:
+    def update(self, job: Job) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _TqdmBar:
+    """A tqdm progress bar on stderr (tqdm is optional: ``pip install batch-dcache[cli]``)."""
+
+    def __init__(self, tqdm: Any, job: Job) -> None:
+        self._bar = tqdm(
+            total=job.targets_total,
+            initial=job.targets_done,
+            desc=f"job {job.id[:8]}",
+            unit="target",
+            file=sys.stderr,
+            leave=False,
+            dynamic_ncols=True,
+        )
+        self._done = job.targets_done
+
+    def update(self, job: Job) -> None:
+        if job.targets_done > self._done:
+            self._bar.update(job.targets_done - self._done)
+            self._done = job.targets_done
+        self._bar.set_postfix_str(job.status, refresh=True)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+class _LineBar:
+    """The fallback without tqdm: one self-rewriting status line on stderr."""
+
+    def __init__(self, job: Job) -> None:
+        self._width = 0
+        self.update(job)
+
+    def update(self, job: Job) -> None:
+        total = max(job.targets_total, 1)
+        filled = 24 * job.targets_done // total
+        text = (
+            f"job {job.id[:8]} [{'#' * filled}{'.' * (24 - filled)}] "
+            f"{job.targets_done}/{job.targets_total} {job.status}"
+        )
+        self._width = max(self._width, len(text))
+        sys.stderr.write("\r" + text.ljust(self._width))
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\r" + " " * self._width + "\r")
+        sys.stderr.flush()
+
+
+def _progress(job: Job, enabled: bool) -> _Bar:
+    if not enabled:
+        return _NoBar()
+    try:
+        tqdm = importlib.import_module("tqdm").tqdm
+    except ImportError:
+        return _LineBar(job)
+    return _TqdmBar(tqdm, job)
+
+
+# -- Ctrl-C --------------------------------------------------------------------------------
+
+
+class _Interrupts:
+    """SIGINT handling for ``run``: the first Ctrl-C asks to cancel, the second leaves now."""
+
+    def __init__(self) -> None:
+        self.asked = threading.Event()
+        self._previous: Any = None
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if self.asked.is_set():
+            raise KeyboardInterrupt
+        self.asked.set()
+
+    def __enter__(self) -> _Interrupts:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+# -- commands ------------------------------------------------------------------------------
+
+
+def _db_url(args: argparse.Namespace) -> str:
+    url: str | None = getattr(args, "db", None)
+    return url or os.environ.get("BATCH_DB") or DEFAULT_DB
+
+
+def _with_runner(args: argparse.Namespace, fetch: Fetch, body: Callable[[Runner], int]) -> int:
+    """Open the store and a runner, run ``body``, close both; map store failures."""
+    url = _db_url(args)
+    try:
+        db = dcache.DB.open(url)
+    except (dcache.StoreError, ValueError, ImportError) as exc:
+        _say(f"cannot open the database {url!r}: {exc}")
+        return EXIT_TEMPFAIL if isinstance(exc, dcache.StoreUnavailableError) else EXIT_FAILED
+    try:
+        runner = Runner(db, fetch)
+        try:
+            return body(runner)
+        finally:
+            runner.close(timeout=getattr(args, "close_timeout", None))
+    except dcache.StoreUnavailableError as exc:
+        _say(f"the database is unavailable: {exc}; retry later")
+        return EXIT_TEMPFAIL
+    except dcache.StoreError as exc:
+        _say(f"database error: {exc}")
+        return EXIT_FAILED
+    finally:
+        db.close()
+
+
+def _refuse(target: Target) -> Any:
+    raise RuntimeError("this command does not fetch")
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    try:
+        items = _read_file(args.file)
+        fetch = _load_fetch(args.fetch)
+    except InputError as exc:
+        _say(str(exc))
+        return EXIT_USAGE
+    show = not args.no_progress and sys.stderr.isatty()
+    with _Interrupts() as interrupts:
+        try:
+            return _with_runner(args, fetch, lambda r: _run_job(r, args, items, interrupts, show))
+        except KeyboardInterrupt:
+            _say("interrupted again: leaving now (the job stays cancelled)")
+            return EXIT_INTERRUPTED
+
+
+def _run_job(
+    runner: Runner,
+    args: argparse.Namespace,
+    items: list[Target],
+    interrupts: _Interrupts,
+    show: bool,
+) -> int:
+    try:
+        job_id, reused = runner.submit(args.caller, "cli", items)
+    except (InvalidTargetsError, TooManyTargetsError) as exc:
+        _say(f"{args.file}: {exc}")
+        return EXIT_USAGE
+    except (CallerBusyError, BusyError) as exc:
+        _say(str(exc))
+        return EXIT_TEMPFAIL
+    except SubmitError as exc:
+        _say(str(exc))
+        return EXIT_FAILED
+    job = runner.job(job_id)
+    if job is None:
+        _say(f"job {job_id} vanished (its lease lapsed); run again")
+        return EXIT_FAILED
+    if reused:
+        _say(
+            f"job {job_id} reused: the same targets were submitted within its lease "
+            f"(until {_when(job.expires_at)}); printing its stored results without "
+            "fetching again"
+        )
+        if not job.terminal:
+            _say(f"job {job_id} is still {job.status} elsewhere; waiting for it")
+        elif job.status == "cancelled":
+            _say("it was cancelled; to run these targets again now, pass another --caller")
+    else:
+        _say(f"job {job_id}: {job.targets_total} target(s) on {_db_url(args)}")
+    args.close_timeout = None
+    bar = _progress(job, show and job.finished_at is None)
+    finished: Job | None = job if job.finished_at is not None else None
+    try:
+        while finished is None and not interrupts.asked.is_set():
+            try:
+                finished = runner.wait(job_id, timeout=_POLL)
+            except TimeoutError:
+                now = runner.job(job_id)
+                if now is not None:
+                    bar.update(now)
+            else:
+                if finished is None:
+                    break
+    finally:
+        bar.close()
+    if finished is None and interrupts.asked.is_set():
+        return _interrupted(runner, args, job_id)
+    found = runner.status(job_id)
+    if found is None:
+        _say(f"job {job_id} lapsed before its results could be read")
+        return EXIT_FAILED
+    final, targets = found
+    for t in targets:
+        _emit(t.to_json())
+    _say(_summary(final))
+    return EXIT_OK if final.status == "done" else EXIT_FAILED
+
+
+def _interrupted(runner: Runner, args: argparse.Namespace, job_id: str) -> int:
+    args.close_timeout = 0  # the drain is stopping; do not wait for more
+    if runner.cancel(job_id):
+        _say(
+            f"interrupted: job {job_id} cancelled; storing the target in flight "
+            "(Ctrl-C again to leave now)"
+        )
+    else:
+        _say(f"interrupted: job {job_id} had already ended")
+    job: Job | None = None
+    while job is None:
+        try:
+            job = runner.wait(job_id, timeout=_POLL)
+        except TimeoutError:
+            continue
+        if job is None:
+            break
+    found = runner.status(job_id)
+    if found is not None:
+        for t in found[1]:
+            _emit(t.to_json())
+        _say(_summary(found[0]))
+    return EXIT_INTERRUPTED
+
+
+def _target_row(t: TargetStatus) -> list[str]:
+    size = str(len(t.result.content)) if t.result is not None else "-"
+    problem = t.error + (f" (hint: {t.hint})" if t.hint else "")
+    return [str(t.idx), t.status, size, _short(t.url, 60), _short(problem, 60)]
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    def body(runner: Runner) -> int:
+        found = runner.status(args.id)
+        if found is None:
+            _say(f"no job {args.id!r} (unknown, or its lease lapsed)")
+            return EXIT_FAILED
+        job, targets = found
+        if args.json:
+            _emit({"job": job.to_json(), "targets": [t.to_json() for t in targets]})
+            return EXIT_OK
+        out = sys.stdout
+        print(_summary(job), file=out)
+        print(
+            f"caller {job.caller} ({job.caller_class}); created {_when(job.created_at)}; "
+            f"finished {_when(job.finished_at)}; expires {_when(job.expires_at)}",
+            file=out,
+        )
+        _table(
+            [["IDX", "STATUS", "BYTES", "URL", "ERROR"], *(_target_row(t) for t in targets)],
+            out,
+        )
+        return EXIT_OK
+
+    return _with_runner(args, _refuse, body)
+
+
+def _cmd_cancel(args: argparse.Namespace) -> int:
+    def body(runner: Runner) -> int:
+        if runner.cancel(args.id):
+            print(f"job {args.id} cancelled; its drain stops after the target in flight")
+            return EXIT_OK
+        job = runner.job(args.id)
+        if job is None:
+            _say(f"no job {args.id!r} (unknown, or its lease lapsed)")
+        else:
+            _say(f"job {args.id} is already {job.status}: nothing to cancel")
+        return EXIT_FAILED
+
+    return _with_runner(args, _refuse, body)
+
+
+def _cmd_jobs(args: argparse.Namespace) -> int:
+    def body(runner: Runner) -> int:
+        jobs = runner.jobs(caller=args.caller, live_only=args.live, limit=args.limit)
+        if args.json:
+            for job in jobs:
+                _emit(job.to_json())
+            return EXIT_OK
+        if not jobs:
+            _say("no live jobs" if args.live else "no jobs")
+            return EXIT_OK
+        rows = [["ID", "STATUS", "DONE", "FAILED", "CALLER", "CREATED", "EXPIRES"]]
+        rows += [
+            [
+                j.id,
+                j.status,
+                f"{j.targets_done}/{j.targets_total}",
+                str(j.targets_failed),
+                _short(j.caller, 24),
+                _when(j.created_at),
+                _when(j.expires_at),
+            ]
+            for j in jobs
+        ]
+        _table(rows, sys.stdout)
+        return EXIT_OK
+
+    return _with_runner(args, _refuse, body)
+
+
+def _cmd_purge(args: argparse.Namespace) -> int:
+    url = _db_url(args)
+    try:
+        with dcache.DB.open(url) as db:
+            n = db.purge_expired()
+    except dcache.StoreUnavailableError as exc:
+        _say(f"the database is unavailable: {exc}; retry later")
+        return EXIT_TEMPFAIL
+    except (dcache.StoreError, ValueError, ImportError) as exc:
+        _say(f"cannot purge {url!r}: {exc}")
+        return EXIT_FAILED
+    if args.json:
+        _emit({"purged": n})
+    else:
+        print(f"purged {n} lapsed job(s)")
+    return EXIT_OK
+
+
+# -- the parser ----------------------------------------------------------------------------
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, not {value}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    db_help = f"the database URL (default: $BATCH_DB, else {DEFAULT_DB})"
+    common = argparse.ArgumentParser(add_help=False)
+    # SUPPRESS: --db given before the command is not reset by the command's own default.
+    common.add_argument("--db", metavar="URL", default=argparse.SUPPRESS, help=db_help)
+
+    parser = argparse.ArgumentParser(
+        prog="batch",
+        description="Persistent, serial batch jobs: run a file of targets, inspect and "
+        "cancel jobs, purge lapsed ones.",
+        epilog="Exit statuses: 0 ok; 1 job partial/failed/cancelled or not found; 2 bad "
+        "input; 75 busy or database unavailable (retry later); 130 interrupted.",
+    )
+    parser.add_argument("--db", metavar="URL", default=None, help=db_help)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    run = sub.add_parser(
+        "run",
+        parents=[common],
+        help="submit the targets in FILE, wait, print each outcome as a JSON line",
+        description="Submit the targets in FILE (one URL a line, or JSON lines "
+        '{"url": ..., "options": {...}}; - for stdin) as one job, wait for it, and print '
+        "each target's outcome as a JSON line on stdout. Running the same file again "
+        "while the job's lease holds reuses the job: its stored results are printed "
+        "without fetching again. Ctrl-C cancels the job (the target in flight is "
+        "stored) and exits 130; a second Ctrl-C exits at once.",
+    )
+    run.add_argument("file", metavar="FILE", help="the targets file, or - for stdin")
+    run.add_argument(
+        "--fetch",
+        metavar="MODULE:CALLABLE",
+        default=DEFAULT_FETCH,
+        help=f"the fetch function (default: {DEFAULT_FETCH}: http, https and file URLs)",
+    )
+    run.add_argument(
+        "--caller",
+        metavar="NAME",
+        default="cli",
+        help="who submits (idempotency and the per-caller cap are per caller; default: cli)",
+    )
+    run.add_argument(
+        "--no-progress", action="store_true", help="no progress bar, even on a terminal"
+    )
+    run.set_defaults(func=_cmd_run)
+
+    status = sub.add_parser("status", parents=[common], help="show a job and its targets")
+    status.add_argument("id", metavar="ID")
+    status.add_argument("--json", action="store_true", help="one JSON object")
+    status.set_defaults(func=_cmd_status)
+
+    cancel = sub.add_parser("cancel", parents=[common], help="cancel a live job")
+    cancel.add_argument("id", metavar="ID")
+    cancel.set_defaults(func=_cmd_cancel)
+
+    jobs = sub.add_parser("jobs", parents=[common], help="list jobs, newest first")
+    jobs.add_argument("--live", action="store_true", help="only queued or running jobs")
+    jobs.add_argument("--caller", metavar="NAME", default=None, help="only this caller's")
+    jobs.add_argument("--limit", type=_positive, default=100, help="at most N (default 100)")
+    jobs.add_argument("--json", action="store_true", help="one JSON object a line")
+    jobs.set_defaults(func=_cmd_jobs)
+
+    purge = sub.add_parser("purge", parents=[common], help="delete jobs whose lease lapsed")
+    purge.add_argument("--json", action="store_true", help='print {"purged": N}')
+    purge.set_defaults(func=_cmd_purge)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit status."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error (argparse says what)
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`batch jobs | head`): stop quietly, as Unix tools do.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_FAILED

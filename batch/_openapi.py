@@ -1,0 +1,353 @@
+"""The OpenAPI 3.1 document of the Flask jobs API, served at ``<prefix>/openapi.json``.
+
+Kept true by ``tests/test_flask.py``, which validates every response it gets against it.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from ._values import MAX_OPTION_LENGTH, MAX_URL_LENGTH
+
+__all__ = ["document"]
+
+_REF = "#/components/schemas/"
+_JOB_STATUSES = ["queued", "running", "done", "failed", "partial", "cancelled"]
+_TARGET_STATUSES = ["pending", "running", "done", "failed"]
+_ERROR_TYPES = (
+    "bad_request, invalid_parameter, invalid_idempotency_key, unauthorized, not_found, "
+    "method_not_allowed, job_finished, payload_too_large, unsupported_media_type, "
+    "invalid_request, invalid_targets, too_many_targets, idempotency_key_reused, "
+    "caller_busy, busy, unavailable, internal"
+)
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": _REF + name}
+
+
+def _json_content(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"application/json": {"schema": schema}}
+
+
+def _error(description: str, **headers: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"description": description, "content": _json_content(_ref("Error"))}
+    if headers:
+        out["headers"] = headers
+    return out
+
+
+_STR = {"type": "string"}
+_TIME = {"type": ["string", "null"], "format": "date-time"}
+_RETRY_AFTER = {
+    "description": "Seconds to wait before retrying.",
+    "schema": {"type": "integer", "minimum": 0},
+    "required": True,
+}
+
+_SCHEMAS: dict[str, Any] = {
+    "Options": {
+        "type": "object",
+        "description": "Per-target options, passed to the server's fetch untouched.",
+        "properties": {
+            **{
+                name: {"type": "string", "maxLength": MAX_OPTION_LENGTH}
+                for name in ("mode", "question", "pages", "grep", "jq")
+            },
+            "context": {"type": "boolean"},
+            "recover": {"type": "boolean"},
+        },
+        "additionalProperties": False,
+    },
+    "Target": {
+        "type": "object",
+        "required": ["url"],
+        "properties": {
+            "url": {"type": "string", "minLength": 1, "maxLength": MAX_URL_LENGTH},
+            "options": _ref("Options"),
+        },
+        "additionalProperties": False,
+    },
+    "SubmitRequest": {
+        "type": "object",
+        "required": ["targets"],
+        "properties": {
+            "targets": {
+                "type": "array",
+                "minItems": 1,
+                "items": _ref("Target"),
+                "description": "Distinct targets, at most the server's targets_per_job "
+                "(32 by default).",
+            }
+        },
+        "additionalProperties": False,
+    },
+    "Job": {
+        "type": "object",
+        "required": [
+            "id",
+            "status",
+            "error",
+            "targets_total",
+            "targets_done",
+            "targets_failed",
+            "finished_at",
+            "caller",
+            "caller_class",
+            "created_at",
+            "updated_at",
+            "expires_at",
+        ],
+        "properties": {
+            "id": {"type": "string", "pattern": "^[0-9a-f]{32}$"},
+            "status": {"type": "string", "enum": _JOB_STATUSES},
+            "error": {
+                "type": "string",
+                "description": 'Why the job failed as a whole (e.g. "restart"); else empty.',
+            },
+            "targets_total": {"type": "integer", "minimum": 1},
+            "targets_done": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "Targets stored, done or failed.",
+            },
+            "targets_failed": {"type": "integer", "minimum": 0},
+            "finished_at": {
+                **_TIME,
+                "description": "When the job's drain stopped; null while it runs.",
+            },
+            "caller": _STR,
+            "caller_class": _STR,
+            "created_at": _TIME,
+            "updated_at": _TIME,
+            "expires_at": {
+                **_TIME,
+                "description": "When the job lapses (unless it is still live).",
+            },
+        },
+        "additionalProperties": False,
+    },
+    "Result": {
+        "type": "object",
+        "required": ["content"],
+        "properties": {"content": _STR, "meta": {"type": "object"}},
+        "additionalProperties": False,
+    },
+    "TargetStatus": {
+        "type": "object",
+        "required": ["idx", "url", "options", "status", "result", "error", "hint"],
+        "properties": {
+            "idx": {"type": "integer", "minimum": 0},
+            "url": _STR,
+            "options": _ref("Options"),
+            "status": {"type": "string", "enum": _TARGET_STATUSES},
+            "result": {"oneOf": [_ref("Result"), {"type": "null"}]},
+            "error": _STR,
+            "hint": _STR,
+        },
+        "additionalProperties": False,
+    },
+    "SubmitResponse": {
+        "type": "object",
+        "required": ["job", "reused"],
+        "properties": {
+            "job": _ref("Job"),
+            "reused": {
+                "type": "boolean",
+                "description": "True when an existing job (same caller, same targets, lease "
+                "holding) was returned instead of a new one.",
+            },
+        },
+        "additionalProperties": False,
+    },
+    "StatusResponse": {
+        "type": "object",
+        "required": ["job", "targets"],
+        "properties": {
+            "job": _ref("Job"),
+            "targets": {"type": "array", "items": _ref("TargetStatus")},
+        },
+        "additionalProperties": False,
+    },
+    "JobResponse": {
+        "type": "object",
+        "required": ["job"],
+        "properties": {"job": _ref("Job")},
+        "additionalProperties": False,
+    },
+    "Error": {
+        "type": "object",
+        "required": ["error"],
+        "properties": {
+            "error": {
+                "type": "object",
+                "required": ["type", "message"],
+                "properties": {
+                    "type": {"type": "string", "description": "One of: " + _ERROR_TYPES},
+                    "message": _STR,
+                    "field": {"type": "string"},
+                    "index": {"type": "integer"},
+                    "count": {"type": "integer"},
+                    "limit": {"type": "integer"},
+                    "live": {"type": "integer"},
+                    "retry_after": {"type": "integer"},
+                    "status": {"type": "string", "enum": _JOB_STATUSES},
+                    "parameter": {"type": "string"},
+                },
+                "additionalProperties": False,
+            }
+        },
+        "additionalProperties": False,
+    },
+}
+
+_JOB_ID = {
+    "name": "job_id",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string"},
+    "description": "The job's id, as returned by POST.",
+}
+
+_COMMON = {
+    "default": _error("Any other error (e.g. one raised by the app's identify hook)."),
+    "401": _error("identify() named no caller: authentication required."),
+    "500": _error("An unexpected server error."),
+    "503": _error(
+        "The job store is unavailable or the service is shutting down; retry.",
+        **{"Retry-After": _RETRY_AFTER},
+    ),
+}
+
+
+def _paths(prefix: str) -> dict[str, Any]:
+    return {
+        prefix: {
+            "post": {
+                "operationId": "submitJob",
+                "summary": "Submit a job (idempotent)",
+                "description": (
+                    "Starts a job draining the targets one at a time, in order. The same "
+                    "caller submitting the same targets (by canonical form: key order, white "
+                    "space and default options do not matter) while the earlier job's lease "
+                    "holds gets that job back with `reused: true`, in any status; no caps are "
+                    "checked then. With an `Idempotency-Key` header the key decides instead "
+                    "(IETF httpapi draft): the same key and payload return the same job; the "
+                    "same key with a different payload is refused with 422."
+                ),
+                "parameters": [
+                    {
+                        "name": "Idempotency-Key",
+                        "in": "header",
+                        "required": False,
+                        "schema": {"type": "string", "minLength": 1, "maxLength": 255},
+                        "description": "A unique key for this request (IETF httpapi draft).",
+                    }
+                ],
+                "requestBody": {"required": True, "content": _json_content(_ref("SubmitRequest"))},
+                "responses": {
+                    "202": {
+                        "description": "The job, running (or reused, in any status).",
+                        "headers": {
+                            "Location": {
+                                "description": "The job's URL.",
+                                "schema": _STR,
+                                "required": True,
+                            }
+                        },
+                        "content": _json_content(_ref("SubmitResponse")),
+                    },
+                    "400": _error("The body is not valid JSON, or a bad Idempotency-Key."),
+                    **_COMMON,
+                    "413": _error("The body is too large."),
+                    "415": _error("The body is not application/json."),
+                    "422": _error(
+                        "Not a {targets: [...]} object, invalid or too many targets, or an "
+                        "Idempotency-Key reused with a different payload."
+                    ),
+                    "429": _error(
+                        "The caller has too many live jobs (caller_busy) or the service "
+                        "does (busy).",
+                        **{"Retry-After": _RETRY_AFTER},
+                    ),
+                },
+            }
+        },
+        prefix + "/{job_id}": {
+            "parameters": [_JOB_ID],
+            "get": {
+                "operationId": "getJob",
+                "summary": "A job and its targets; optionally long-poll until it finishes",
+                "parameters": [
+                    {
+                        "name": "wait",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "number", "minimum": 0, "maximum": 30},
+                        "description": "Wait up to this many seconds for the job to finish.",
+                    }
+                ],
+                "responses": {
+                    "200": {
+                        "description": "The job and every target, in index order.",
+                        "content": _json_content(_ref("StatusResponse")),
+                    },
+                    "400": _error("wait is not a number from 0 to 30."),
+                    **_COMMON,
+                    "404": _error("Unknown, lapsed, or another caller's job."),
+                },
+            },
+            "delete": {
+                "operationId": "cancelJob",
+                "summary": "Cancel a live job",
+                "description": (
+                    "The job becomes cancelled at once; its drain stores the target in "
+                    "flight and stops before the next. Stored targets stay readable."
+                ),
+                "responses": {
+                    "200": {
+                        "description": "The cancelled job.",
+                        "content": _json_content(_ref("JobResponse")),
+                    },
+                    **_COMMON,
+                    "404": _error("Unknown, lapsed, or another caller's job."),
+                    "409": _error("The job has already finished (done, failed, ...)."),
+                },
+            },
+        },
+        prefix + "/openapi.json": {
+            "get": {
+                "operationId": "getOpenAPI",
+                "summary": "This document",
+                "responses": {
+                    "200": {
+                        "description": "The OpenAPI 3.1 document of this API.",
+                        "content": _json_content({"type": "object"}),
+                    },
+                },
+            }
+        },
+    }
+
+
+def document(prefix: str = "/jobs", server: str = "/") -> dict[str, Any]:
+    """The OpenAPI 3.1 document for the API mounted at ``prefix`` behind ``server``."""
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "batch jobs API",
+            "version": "1",
+            "description": (
+                "Persistent, serial batch jobs. Submit up to 32 targets (a URL and options); "
+                "one worker drains them in order and stores each outcome as it completes; "
+                "poll, long-poll or cancel until the job's lease lapses. The app decides who "
+                "the caller is (its identify hook); a caller only ever sees its own jobs. "
+                "Every error is {error: {type, message, ...}}. Responses carry "
+                "Cache-Control: no-store."
+            ),
+        },
+        "servers": [{"url": server}],
+        "paths": _paths(prefix),
+        "components": {"schemas": copy.deepcopy(_SCHEMAS)},
+    }

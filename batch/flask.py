@@ -1,0 +1,519 @@
+"""The Flask integration: a JSON API over a :class:`batch.Runner` (extra ``[flask]``).
+
+Build the runner once per process, at app start, and mount the API::
+
+    app = Flask(__name__)
+    runner = batch.Runner(dcache.DB.open(os.environ["BATCH_DB"]), fetch)
+    batch.flask.init_app(app, runner, identify)
+
+Routes (under ``/jobs`` by default; the OpenAPI 3.1 document is ``/jobs/openapi.json``):
+
+- ``POST /jobs`` ``{"targets": [...]}`` → 202 ``{"job": {...}, "reused": bool}``
+- ``GET /jobs/<id>[?wait=N]`` → 200 ``{"job": {...}, "targets": [...]}``
+- ``DELETE /jobs/<id>`` → 200 ``{"job": {...}}`` (cancelled), 409 if already finished
+
+Every error is ``{"error": {"type": ..., "message": ..., ...context}}``. A caller only
+ever sees its own jobs: another caller's job answers 404, exactly as an unknown id does.
+This layer never fetches anything itself: the runner's ``fetch`` does, and an app that
+lets strangers name URLs must guard that fetch against SSRF.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, NoReturn
+
+import attrs
+from flask import Blueprint, Flask, Request, Response, request, url_for
+from werkzeug.exceptions import HTTPException
+
+import dcache
+
+from ._errors import (
+    BusyError,
+    CallerBusyError,
+    IdempotencyKeyMismatchError,
+    InvalidTargetsError,
+    RunnerClosedError,
+    SubmitError,
+    TooManyTargetsError,
+)
+from ._openapi import document
+from ._runner import Runner
+from ._values import MAX_KEY_LENGTH, Job
+
+__all__ = [
+    "DEFAULT_MAX_BODY",
+    "EXTENSION_KEY",
+    "MAX_WAIT",
+    "APIError",
+    "BatchAPI",
+    "Identify",
+    "blueprint",
+    "init_app",
+]
+
+Identify = Callable[[Request], "tuple[str, str] | None"]
+"""``identify(request) -> (caller, caller_class) | None``; ``None`` answers 401."""
+
+EXTENSION_KEY = "batch"
+MAX_WAIT = 30
+"""The longest long-poll, in seconds (``GET /jobs/<id>?wait=N``)."""
+DEFAULT_MAX_BODY = 1024 * 1024
+"""The largest ``POST`` body accepted by default, in bytes (32 targets fit easily)."""
+MAX_IDEMPOTENCY_KEY = MAX_KEY_LENGTH
+
+log = logging.getLogger("batch.flask")
+
+_JSON = "application/json"
+_HTTP_TYPES = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "payload_too_large",
+    415: "unsupported_media_type",
+    429: "too_many_requests",
+    503: "unavailable",
+}
+
+
+class APIError(Exception):
+    """An error answer in the API's one JSON shape; views raise it, a handler renders it."""
+
+    def __init__(
+        self,
+        status: int,
+        type: str,
+        message: str,
+        *,
+        headers: Mapping[str, str] | None = None,
+        context: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.type = type
+        self.message = message
+        self.headers = dict(headers or {})
+        self.context = dict(context or {})
+
+    def response(self) -> Response:
+        """The error as a JSON response."""
+        body = {"error": {"type": self.type, "message": self.message, **self.context}}
+        resp = _json(body, self.status)
+        resp.headers.update(self.headers)
+        return resp
+
+
+def _json(obj: object, status: int = 200) -> Response:
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return Response(text, status=status, mimetype=_JSON)
+
+
+def _job_json(job: Job) -> dict[str, Any]:
+    out = job.to_json()
+    out.pop("owner", None)  # which process drains a job is the server's business
+    return out
+
+
+@attrs.define(eq=False)
+class BatchAPI:
+    """The state of one mounted API: what ``init_app`` keeps in ``app.extensions``.
+
+    Attributes:
+        runner: the process's runner (built once, at app start; never per request).
+        identify: ``identify(request) -> (caller, caller_class) | None``.
+        blueprint: the blueprint serving the routes.
+        max_body: the largest ``POST`` body accepted, in bytes.
+        retry_after: seconds sent in ``Retry-After`` with 429 and 503 answers.
+        www_authenticate: the ``WWW-Authenticate`` header sent with 401, if any.
+    """
+
+    runner: Runner
+    identify: Identify
+    blueprint: Blueprint
+    max_body: int = DEFAULT_MAX_BODY
+    retry_after: int = 5
+    www_authenticate: str | None = None
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _caller(self) -> tuple[str, str]:
+        who = self.identify(request)
+        if who is None:
+            headers = {"WWW-Authenticate": self.www_authenticate} if self.www_authenticate else {}
+            raise APIError(401, "unauthorized", "authentication required", headers=headers)
+        caller, caller_class = who
+        return caller, caller_class
+
+    def _retry(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)}
+
+    def _own_job(self, job_id: str, caller: str) -> Job:
+        job = self.runner.job(job_id)
+        if job is None or job.caller != caller:
+            raise _not_found(job_id)
+        return job
+
+    def _read_payload(self) -> object:
+        mimetype = request.mimetype
+        if mimetype != _JSON and not (
+            mimetype.startswith("application/") and mimetype.endswith("+json")
+        ):
+            raise APIError(
+                415,
+                "unsupported_media_type",
+                f"send the body as {_JSON}, not {mimetype or 'no content type'}",
+            )
+        length = request.content_length
+        if length is not None and length > self.max_body:
+            raise _too_large(self.max_body)
+        data = request.stream.read(self.max_body + 1)
+        if len(data) > self.max_body:
+            raise _too_large(self.max_body)
+        try:
+            return json.loads(data, parse_constant=_no_constants)
+        except (ValueError, RecursionError) as exc:
+            # ValueError covers JSONDecodeError, bad UTF-8 and over-long integers.
+            raise APIError(400, "bad_request", f"the body is not valid JSON: {exc}") from None
+
+    def _idempotency_key(self) -> str | None:
+        raw = request.headers.get("Idempotency-Key")
+        if raw is None:
+            return None
+        key = raw.strip()
+        if len(key) >= 2 and key[0] == key[-1] == '"':
+            key = key[1:-1]  # the draft's sf-string form; bare keys are common too
+        if not 0 < len(key) <= MAX_IDEMPOTENCY_KEY or not (key.isascii() and key.isprintable()):
+            raise APIError(
+                400,
+                "invalid_idempotency_key",
+                f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY} printable ASCII characters",
+            )
+        return key
+
+    def _submit(
+        self, caller: str, caller_class: str, targets: Any, key: str | None
+    ) -> tuple[str, bool]:
+        try:
+            return self.runner.submit(caller, caller_class, targets, idempotency_key=key)
+        except IdempotencyKeyMismatchError:
+            raise APIError(
+                422,
+                "idempotency_key_reused",
+                "this Idempotency-Key was already used with a different payload; "
+                "use a new key for a new request",
+            ) from None
+        except InvalidTargetsError as exc:
+            ctx = {k: v for k, v in (("index", exc.index), ("field", exc.field)) if v is not None}
+            raise APIError(422, "invalid_targets", str(exc), context=ctx) from None
+        except TooManyTargetsError as exc:
+            raise APIError(
+                422,
+                "too_many_targets",
+                f"too many targets: {exc.count} given, at most {exc.limit} per job; split them",
+                context={"count": exc.count, "limit": exc.limit},
+            ) from None
+        except CallerBusyError as exc:
+            raise APIError(
+                429,
+                "caller_busy",
+                f"you have {exc.live} live job(s), at most {exc.limit}; "
+                "wait for one to finish or cancel it",
+                headers=self._retry(),
+                context={"live": exc.live, "limit": exc.limit, "retry_after": self.retry_after},
+            ) from None
+        except BusyError:
+            raise APIError(
+                429,
+                "busy",
+                "the service is running as many jobs as it may; retry later",
+                headers=self._retry(),
+                context={"retry_after": self.retry_after},
+            ) from None
+        except RunnerClosedError:
+            raise self._unavailable("the service is shutting down; retry later") from None
+        except SubmitError as exc:  # a future kind: keep its status, stay in one shape
+            raise APIError(exc.http_status, "invalid_request", str(exc)) from None
+
+    def _unavailable(self, message: str) -> APIError:
+        return APIError(
+            503,
+            "unavailable",
+            message,
+            headers=self._retry(),
+            context={"retry_after": self.retry_after},
+        )
+
+    # -- views --------------------------------------------------------------------------
+
+    def _post_job(self) -> Response:
+        caller, caller_class = self._caller()
+        payload = self._read_payload()
+        if not isinstance(payload, dict):
+            raise APIError(
+                422,
+                "invalid_request",
+                'the body must be a JSON object {"targets": [...]}',
+                context={"field": ""},
+            )
+        unknown = sorted(str(k) for k in payload if k != "targets")
+        if unknown:
+            raise APIError(
+                422,
+                "invalid_request",
+                f"unknown field {unknown[0]!r} (known: targets)",
+                context={"field": unknown[0]},
+            )
+        if "targets" not in payload:
+            raise APIError(
+                422, "invalid_request", "the body has no targets", context={"field": "targets"}
+            )
+        key = self._idempotency_key()
+        job_id, reused = self._submit(caller, caller_class, payload["targets"], key)
+        job = self.runner.job(job_id)
+        if job is None:  # lapsed between the submit and this read: submit again
+            raise self._unavailable("the job lapsed while it was being read; retry")
+        resp = _json({"job": _job_json(job), "reused": bool(reused)}, 202)
+        resp.headers["Location"] = url_for(".job", job_id=job_id)
+        return resp
+
+    def _get_job(self, job_id: str) -> Response:
+        caller, _ = self._caller()
+        wait = _wait_arg(request.args.get("wait"))
+        job = self._own_job(job_id, caller)
+        if wait > 0 and job.finished_at is None:
+            with contextlib.suppress(TimeoutError):
+                self.runner.wait(job_id, timeout=wait)
+        found = self.runner.status(job_id)
+        if found is None or found[0].caller != caller:
+            raise _not_found(job_id)
+        job, targets = found
+        return _json({"job": _job_json(job), "targets": [t.to_json() for t in targets]})
+
+    def _delete_job(self, job_id: str) -> Response:
+        caller, _ = self._caller()
+        self._own_job(job_id, caller)
+        cancelled = self.runner.cancel(job_id)
+        job = self.runner.job(job_id)
+        if job is None:
+            raise _not_found(job_id)
+        if not cancelled:
+            raise APIError(
+                409,
+                "job_finished",
+                f"job {job_id} is already {job.status}; only a live job can be cancelled",
+                context={"status": job.status},
+            )
+        return _json({"job": _job_json(job)})
+
+    def _openapi(self) -> Response:
+        rule = request.url_rule.rule if request.url_rule is not None else "/openapi.json"
+        prefix = rule[: -len("/openapi.json")]
+        return _json(document(prefix, server=request.script_root or "/"))
+
+    # -- errors -------------------------------------------------------------------------
+
+    def _handle_store_error(self, exc: dcache.StoreError) -> Response:
+        if isinstance(exc, dcache.StoreUnavailableError):
+            log.warning("job store unavailable: %s", exc)
+            return self._unavailable("the job store is unavailable; retry later").response()
+        log.error("job store failed", exc_info=exc)
+        return APIError(500, "internal", "the job store failed").response()
+
+
+def _not_found(job_id: str) -> APIError:
+    # Unknown, lapsed and another caller's job answer alike, so ids cannot be probed.
+    return APIError(404, "not_found", "no such job (unknown, expired, or not yours)")
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(
+        413, "payload_too_large", f"the body is over {limit} bytes", context={"limit": limit}
+    )
+
+
+def _no_constants(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _wait_arg(raw: str | None) -> float:
+    if raw is None or raw == "":
+        return 0.0
+    try:
+        wait = float(raw)
+    except ValueError:
+        wait = math.nan
+    if not (math.isfinite(wait) and 0 <= wait <= MAX_WAIT):
+        raise APIError(
+            400,
+            "invalid_parameter",
+            f"wait must be a number of seconds from 0 to {MAX_WAIT}",
+            context={"parameter": "wait"},
+        )
+    return wait
+
+
+def _http_error(exc: HTTPException) -> Response:
+    code = exc.code or 500
+    err = APIError(code, _HTTP_TYPES.get(code, "http_error"), exc.description or exc.name)
+    resp = err.response()
+    if exc.response is None:
+        for name, value in exc.get_headers():
+            if name.lower() not in ("content-type", "content-length"):
+                resp.headers[name] = value
+    return resp
+
+
+def _internal_error(_exc: Exception) -> Response:
+    # Flask has logged the exception already; the client gets the one JSON shape.
+    return APIError(500, "internal", "internal server error").response()
+
+
+def blueprint(
+    runner: Runner,
+    identify: Identify,
+    url_prefix: str = "/jobs",
+    *,
+    name: str = "batch",
+    max_body: int = DEFAULT_MAX_BODY,
+    retry_after: int = 5,
+    www_authenticate: str | None = None,
+) -> Blueprint:
+    """A blueprint serving the jobs API on ``runner``, for apps that mount it themselves.
+
+    Args:
+        runner: the process's runner, built once at app start (never per request).
+        identify: ``identify(request) -> (caller, caller_class) | None``; ``None``
+            answers 401. It may also raise an ``HTTPException`` (rendered as JSON).
+        url_prefix: where the routes live.
+        name: the blueprint's name (to mount the API twice, under two names).
+        max_body: the largest ``POST`` body accepted, in bytes (413 beyond).
+        retry_after: the ``Retry-After`` seconds sent with 429 and 503.
+        www_authenticate: the ``WWW-Authenticate`` header sent with 401, if any
+            (e.g. ``'Bearer realm="jobs"'``).
+    """
+    return _build(
+        runner,
+        identify,
+        url_prefix,
+        name=name,
+        max_body=max_body,
+        retry_after=retry_after,
+        www_authenticate=www_authenticate,
+    ).blueprint
+
+
+def _build(
+    runner: Runner,
+    identify: Identify,
+    url_prefix: str,
+    *,
+    name: str = "batch",
+    max_body: int = DEFAULT_MAX_BODY,
+    retry_after: int = 5,
+    www_authenticate: str | None = None,
+) -> BatchAPI:
+    if max_body <= 0 or retry_after < 0:
+        raise ValueError("max_body must be positive and retry_after not negative")
+    bp = Blueprint(name, __name__, url_prefix=url_prefix)
+    api = BatchAPI(
+        runner,
+        identify,
+        bp,
+        max_body=max_body,
+        retry_after=retry_after,
+        www_authenticate=www_authenticate,
+    )
+    bp.add_url_rule("", "submit", api._post_job, methods=["POST"])
+    bp.add_url_rule("/openapi.json", "openapi", api._openapi, methods=["GET"])
+    bp.add_url_rule("/<job_id>", "job", api._get_job, methods=["GET"])
+    bp.add_url_rule("/<job_id>", "cancel", api._delete_job, methods=["DELETE"])
+    # Routing errors never reach blueprint error handlers, so the blueprint answers its
+    # own wrong methods and unknown paths in the one JSON shape, leaving the app alone.
+    bp.add_url_rule(
+        "",
+        "submit_405",
+        _method_not_allowed("POST"),
+        methods=["GET", "PUT", "PATCH", "DELETE"],
+    )
+    bp.add_url_rule(
+        "/openapi.json",
+        "openapi_405",
+        _method_not_allowed("GET, HEAD"),
+        methods=["POST", "PUT", "PATCH", "DELETE"],
+    )
+    bp.add_url_rule(
+        "/<job_id>",
+        "job_405",
+        _method_not_allowed("GET, HEAD, DELETE"),
+        methods=["POST", "PUT", "PATCH"],
+    )
+    bp.add_url_rule(
+        "/<path:rest>",
+        "unknown",
+        _unknown_path,
+        methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"],
+    )
+    bp.register_error_handler(APIError, lambda exc: exc.response())
+    bp.register_error_handler(dcache.StoreError, api._handle_store_error)
+    bp.register_error_handler(HTTPException, _http_error)
+    bp.register_error_handler(500, _internal_error)
+    bp.after_request(_no_store)
+    return api
+
+
+def _no_store(resp: Response) -> Response:
+    resp.headers.setdefault("Cache-Control", "no-store")  # per-caller data: never cache
+    return resp
+
+
+def _method_not_allowed(allow: str) -> Callable[..., Response]:
+    def view(**_kw: Any) -> Response:
+        return APIError(
+            405,
+            "method_not_allowed",
+            f"method {request.method} not allowed here (allowed: {allow})",
+            headers={"Allow": allow},
+        ).response()
+
+    return view
+
+
+def _unknown_path(rest: str) -> Response:
+    return APIError(404, "not_found", "no such resource").response()
+
+
+def init_app(
+    app: Flask,
+    runner: Runner,
+    identify: Identify,
+    *,
+    url_prefix: str = "/jobs",
+    **options: Any,
+) -> BatchAPI:
+    """Mount the jobs API on ``app`` and keep its state in ``app.extensions["batch"]``.
+
+    Args:
+        app: the Flask app.
+        runner: the process's runner, built once at app start (never per request).
+        identify: ``identify(request) -> (caller, caller_class) | None``.
+        url_prefix: where the routes live (default ``/jobs``).
+        **options: ``name``, ``max_body``, ``retry_after``, ``www_authenticate``, as for
+            :func:`blueprint`.
+
+    Returns:
+        The mounted API's state (also ``app.extensions["batch"]``).
+    """
+    if EXTENSION_KEY in app.extensions:
+        raise RuntimeError("batch.flask.init_app was already called on this app")
+    api = _build(runner, identify, url_prefix, **options)
+    app.register_blueprint(api.blueprint)
+    app.extensions[EXTENSION_KEY] = api
+    return api

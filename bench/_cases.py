@@ -1,0 +1,485 @@
+"""The measurements. Each runs in its own fresh process and returns its rows.
+
+A row is ``{"row": name, "backend": label, "value": number, "unit": unit}``; the parent
+collects them over repeats and sets each beside its floor (see ``_report``). Setup and a
+warm-up (one job, or a few calls) are never timed; the timed region is wall time.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import resource
+import subprocess
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from bench import _floors, _prefill
+from bench._env import (
+    Spec,
+    Stopwatch,
+    content,
+    new_id,
+    payload_json,
+    percentile,
+    remove_sqlite,
+    target_urls,
+    wipe,
+)
+
+Row = dict[str, Any]
+ROOT = Path(__file__).resolve().parent.parent  # where ``python -m bench.worker`` works
+
+
+def _row(name: str, backend: str, value: float, unit: str) -> Row:
+    return {"row": name, "backend": backend, "value": value, "unit": unit}
+
+
+def _fresh(spec: Spec) -> None:
+    """An empty store at the spec's URL (a new SQLite file, or emptied server tables)."""
+    wipe(spec.url)
+
+
+def _count_done(url: str, job_ids: list[str]) -> int:
+    from sqlalchemy import create_engine, func, select
+
+    from dcache._schema import targets
+
+    eng = create_engine(url)
+    try:
+        with eng.connect() as conn:
+            return int(
+                conn.execute(
+                    select(func.count())
+                    .select_from(targets)
+                    .where(
+                        targets.c.job_id.in_(job_ids),
+                        targets.c.status == "done",
+                        targets.c.result.is_not(None),
+                    )
+                ).scalar_one()
+            )
+    finally:
+        eng.dispose()
+
+
+# -- per-target serial drain ----------------------------------------------------------
+
+
+def drain(spec: Spec, variant: str) -> list[Row]:
+    """J jobs of T targets: submit, write each target in its own transaction, read back.
+
+    The same workload for every variant; cost per target = timed wall time / (J * T).
+    """
+    p = spec.params
+    if variant == "runner":
+        per_target = _drain_runner(spec)
+    elif variant.startswith("huey"):
+        per_target = _drain_huey(spec, variant)
+    else:
+        _fresh(spec)
+        per_target = _drain_impl(spec, _floors.make(variant, spec.be, spec.url), p.jobs)
+    return [_row(f"drain/{variant}", spec.backend, per_target, "µs/target")]
+
+
+def _drain_impl(spec: Spec, impl: Any, n_jobs: int, tag: str = "d") -> float:
+    p = spec.params
+    payload = payload_json(p.result_bytes)
+    plan = [
+        (new_id(), new_id() + new_id(), impl.prepare(target_urls(f"{tag}{j}", p.targets)))
+        for j in range(n_jobs + 1)
+    ]
+
+    def one(job_id: str, idem: str, items: Any) -> None:
+        kind = impl.submit(job_id, "bench", idem, items)
+        if kind != "created":
+            raise RuntimeError(f"submit said {kind!r}")
+        for i in range(len(items)):
+            impl.write_target(job_id, i, "done", payload)
+
+    try:
+        one(*plan[0])  # warm-up: connections, statement caches, prepared statements
+        impl.status(plan[0][0])
+        gc.collect()
+        sw = Stopwatch()
+        with sw:
+            for job in plan[1:]:
+                one(*job)
+            for job_id, _, _ in plan[1:]:
+                if not impl.status(job_id):
+                    raise RuntimeError("status read found nothing")
+    finally:
+        impl.close()
+    ids = [j[0] for j in plan[1:]]
+    done = _count_done(spec.url, ids)
+    if done != n_jobs * p.targets:
+        raise RuntimeError(f"{done} of {n_jobs * p.targets} targets stored done")
+    return sw.ns / 1e3 / (n_jobs * p.targets)
+
+
+def _runner(spec: Spec, fetch: Callable[[Any], Any], **config: Any) -> tuple[Any, Any]:
+    import batch
+    import dcache
+
+    db = dcache.DB.open(spec.url, synchronous=spec.be.synchronous)
+    return db, batch.Runner(db, fetch, batch.Config(**config))
+
+
+def _drain_runner(spec: Spec) -> float:
+    import batch
+
+    p = spec.params
+    _fresh(spec)
+    body = content(p.result_bytes)
+
+    def fetch(_t: Any) -> batch.Result:
+        return batch.Result(body)
+
+    db, runner = _runner(spec, fetch)
+    plan = [[{"url": u} for u in target_urls(f"r{j}", p.targets)] for j in range(p.jobs + 1)]
+    ids: list[str] = []
+    try:
+        jid, _ = runner.submit("bench", "bench", plan[0])  # warm-up
+        runner.wait(jid, timeout=120)
+        runner.status(jid)
+        gc.collect()
+        sw = Stopwatch()
+        with sw:
+            for targets in plan[1:]:
+                jid, _ = runner.submit("bench", "bench", targets)
+                runner.wait(jid, timeout=p.timeout)
+                ids.append(jid)
+            for jid in ids:
+                found = runner.status(jid)
+                if found is None or found[0].status != "done":
+                    raise RuntimeError(f"job {jid} did not end done: {found and found[0]}")
+    finally:
+        runner.close(timeout=30)
+        db.close()
+    return sw.ns / 1e3 / (p.jobs * p.targets)
+
+
+def _drain_huey(spec: Spec, variant: str) -> float:
+    """Huey's SqliteHuey as a comparison: enqueue T tasks, execute each, read results back.
+
+    Executed in-process (``dequeue`` + ``execute``: what a consumer does, minus its
+    polling), so this is Huey's own storage cost, the most favourable case for it.
+    """
+    from huey import RedisHuey, SqliteHuey
+
+    p = spec.params
+    if variant == "huey-redis":
+        huey: Any = RedisHuey("dcache-bench", url=spec.url)
+        huey.storage.flush_all()
+    else:
+        path = spec.url.split("sqlite:///", 1)[1]
+        # fsync=False: synchronous=OFF (not durable); None: as shipped (SQLite's FULL).
+        fsync = False if variant == "huey-nofsync" else None
+        huey = SqliteHuey("bench", filename=path, fsync=fsync)
+    body = content(p.result_bytes)
+
+    @huey.task()
+    def fetch(url: str) -> str:
+        return body
+
+    def one(urls: list[str]) -> list[Any]:
+        handles = [fetch(u) for u in urls]
+        for _ in urls:
+            huey.execute(huey.dequeue())
+        return handles
+
+    plan = [target_urls(f"h{j}", p.targets) for j in range(p.jobs + 1)]
+    for h in one(plan[0]):
+        h.get(preserve=True)
+    gc.collect()
+    sw = Stopwatch()
+    with sw:
+        handles = [one(urls) for urls in plan[1:]]
+        got = [h.get(preserve=True) for hs in handles for h in hs]
+    if got != [body] * (p.jobs * p.targets):
+        raise RuntimeError("huey lost results")
+    if variant == "huey-redis":
+        huey.storage.flush_all()
+    else:
+        huey.storage.close()
+    return sw.ns / 1e3 / (p.jobs * p.targets)
+
+
+# -- submit and status ----------------------------------------------------------------
+
+
+def submit(spec: Spec, variant: str) -> list[Row]:
+    """p50/p99 of one 32-target submit (lock rows, idempotency read, cap counts, inserts)."""
+    _fresh(spec)
+    impl = _floors.make(variant, spec.be, spec.url)
+    try:
+        samples = _submit_samples(spec, impl)
+    finally:
+        impl.close()
+    return [
+        _row(f"submit-p50/{variant}", spec.backend, percentile(samples, 50), "µs"),
+        _row(f"submit-p99/{variant}", spec.backend, percentile(samples, 99), "µs"),
+    ]
+
+
+def _submit_samples(spec: Spec, impl: Any, tag: str = "s") -> list[float]:
+    p = spec.params
+    n_warm = 5
+    plan = [
+        (new_id(), new_id() + new_id(), impl.prepare(target_urls(f"{tag}{k}", p.targets)))
+        for k in range(p.samples + n_warm)
+    ]
+    samples: list[float] = []
+    gc.collect()
+    for k, (job_id, idem, items) in enumerate(plan):
+        t0 = time.perf_counter_ns()
+        kind = impl.submit(job_id, "bench", idem, items)
+        t1 = time.perf_counter_ns()
+        if kind != "created":
+            raise RuntimeError(f"submit said {kind!r}")
+        impl.end_job(job_id)  # untimed: keeps the caps out of the way
+        if k >= n_warm:
+            samples.append((t1 - t0) / 1e3)
+    return samples
+
+
+def _stored_job(spec: Spec, n_targets: int, result: str, via: str = "store") -> str:
+    """A finished job with ``n_targets`` results stored (untimed)."""
+    impl = _floors.make(via, spec.be, spec.url)
+    try:
+        job_id = new_id()
+        items = impl.prepare(target_urls("st", n_targets))
+        if impl.submit(job_id, "bench", new_id(), items) != "created":
+            raise RuntimeError("setup submit failed")
+        for i in range(n_targets):
+            impl.write_target(job_id, i, "done", result)
+    finally:
+        impl.close()
+    return job_id
+
+
+def status(spec: Spec, variant: str) -> list[Row]:
+    """Median of one status read of a finished 32-target job with 1 KiB results."""
+    p = spec.params
+    _fresh(spec)
+    job_id = _stored_job(spec, p.targets, payload_json(p.result_bytes))
+    read, close = _reader(spec, variant)
+    try:
+        for _ in range(5):
+            read(job_id)
+        gc.collect()
+        samples = []
+        for _ in range(p.samples):
+            t0 = time.perf_counter_ns()
+            got = read(job_id)
+            samples.append((time.perf_counter_ns() - t0) / 1e3)
+            if not got:
+                raise RuntimeError("status read found nothing")
+    finally:
+        close()
+    return [_row(f"status/{variant}", spec.backend, percentile(samples, 50), "µs")]
+
+
+def _reader(spec: Spec, variant: str) -> tuple[Callable[[str], Any], Callable[[], None]]:
+    if variant == "runner":
+        db, runner = _runner(spec, lambda _t: None)
+
+        def close() -> None:
+            runner.close(timeout=10)
+            db.close()
+
+        return runner.status, close
+    impl = _floors.make(variant, spec.be, spec.url)
+    return impl.status, impl.close
+
+
+# -- concurrency ----------------------------------------------------------------------
+
+
+def concurrent(spec: Spec, variant: str) -> list[Row]:
+    """N jobs draining at once on one SQLite file vs the same N jobs drained one by one.
+
+    Aggregate targets/s of each, interleaved twice; every "database is locked" the
+    engine saw is counted (the runner would retry it silently).
+    """
+    from sqlalchemy import event
+
+    import batch
+
+    p = spec.params
+    _fresh(spec)
+    body = content(p.result_bytes)
+
+    def fetch(_t: Any) -> batch.Result:
+        return batch.Result(body)
+
+    n = p.concurrent
+    db, runner = _runner(spec, fetch, jobs_total=max(8, n), jobs_per_caller=1)
+    locked = [0]
+
+    def on_error(ctx: Any) -> None:
+        if "locked" in str(ctx.original_exception).lower():
+            locked[0] += 1
+
+    event.listen(db.engine, "handle_error", on_error)
+    seq = iter(range(1_000_000))
+
+    def targets() -> list[dict[str, str]]:
+        return [{"url": u} for u in target_urls(f"c{next(seq)}", p.targets)]
+
+    def serial() -> float:
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            jid, _ = runner.submit("solo", "bench", targets())
+            runner.wait(jid, timeout=p.timeout)
+        return (time.perf_counter_ns() - t0) / 1e9
+
+    def together() -> float:
+        t0 = time.perf_counter_ns()
+        ids = [runner.submit(f"caller{k}", "bench", targets())[0] for k in range(n)]
+        for jid in ids:
+            runner.wait(jid, timeout=p.timeout)
+        return (time.perf_counter_ns() - t0) / 1e9
+
+    try:
+        jid, _ = runner.submit("solo", "bench", targets())  # warm-up
+        runner.wait(jid, timeout=120)
+        t_serial = t_together = 0.0
+        for _ in range(2):
+            t_serial += serial()
+            t_together += together()
+        jobs = runner.jobs(limit=10_000)
+        bad = [j for j in jobs if j.status != "done"]
+        if bad:
+            raise RuntimeError(f"{len(bad)} job(s) did not end done: {bad[0]}")
+    finally:
+        runner.close(timeout=30)
+        db.close()
+    total = 2 * n * p.targets
+    return [
+        _row("concurrent/single", spec.backend, total / t_serial, "targets/s"),
+        _row(f"concurrent/{n}-drains", spec.backend, total / t_together, "targets/s"),
+        _row("concurrent/lock-errors", spec.backend, locked[0], "errors"),
+    ]
+
+
+# -- growth ---------------------------------------------------------------------------
+
+
+def growth_label(n: int) -> str:
+    exp = len(str(n)) - 1
+    return f"10^{exp}" if n == 10**exp else str(n)
+
+
+def growth(spec: Spec, variant: str) -> list[Row]:
+    """Per-target drain and submit cost of our store with ``n`` targets already stored."""
+    n = int(spec.extra["prefill"])
+    _prefill.clean(spec.be, spec.url)
+    # The runner's write path: a held-connection writer where the store has one.
+    impl = _floors.make("writer" if _floors.has_writer() else "store", spec.be, spec.url)
+    per_target = _drain_impl(spec, impl, spec.params.jobs, tag="g")
+    impl = _floors.make("store", spec.be, spec.url)
+    try:
+        samples = _submit_samples(spec, impl, tag="gs")
+    finally:
+        impl.close()
+    _prefill.clean(spec.be, spec.url)
+    label = growth_label(n)
+    return [
+        _row(f"growth-drain/{label}", spec.backend, per_target, "µs/target"),
+        _row(f"growth-submit-p50/{label}", spec.backend, percentile(samples, 50), "µs"),
+        _row(f"growth-submit-p99/{label}", spec.backend, percentile(samples, 99), "µs"),
+    ]
+
+
+def prepare_growth(spec: Spec, variant: str) -> list[Row]:
+    """Not a measurement: make sure the growth store holds its prefill."""
+    n = int(spec.extra["prefill"])
+    t0 = time.monotonic()
+    what = _prefill.ensure(spec.be, spec.url, n)
+    return [{"note": f"{spec.backend}: {what} in {time.monotonic() - t0:.1f} s"}]
+
+
+# -- memory ---------------------------------------------------------------------------
+
+
+def memory(spec: Spec, variant: str) -> list[Row]:
+    """Peak memory of one status read of M targets with 1 MiB results each.
+
+    ``memory/<variant>``: tracemalloc's peak of Python allocations during the read.
+    ``memory-rss/<variant>``: growth of the process's peak RSS over the RSS just before
+    the read; it also sees the drivers' C buffers (libpq, for one) that tracemalloc misses.
+    The job is stored by a helper process so this one starts small.
+    """
+    p = spec.params
+    _fresh(spec)
+    child = attrs.evolve(spec, case="memory-setup", extra={})
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.worker"],
+        input=child.to_json(),
+        capture_output=True,
+        text=True,
+        timeout=p.timeout,
+        check=True,
+        cwd=str(ROOT),
+    )
+    job_id = out.stdout.strip().splitlines()[-1]
+    read, close = _reader(spec, variant)
+    try:
+        gc.collect()
+        rss0 = _rss_now()
+        tracemalloc.start()
+        got = read(job_id)
+        _cur, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        if not got:
+            raise RuntimeError("status read found nothing")
+        del got
+    finally:
+        close()
+    mib = 1 << 20
+    payload = p.mem_targets * p.mem_result_bytes / mib
+    return [
+        _row("memory/payload", spec.backend, payload, "MiB"),
+        _row(f"memory/{variant}", spec.backend, peak / mib, "MiB"),
+        _row(f"memory-rss/{variant}", spec.backend, max(0, rss_peak - rss0) / mib, "MiB"),
+    ]
+
+
+def memory_setup(spec: Spec) -> str:
+    p = spec.params
+    # Through the raw floor: the same rows (the smoke test checks it), written faster.
+    return _stored_job(spec, p.mem_targets, payload_json(p.mem_result_bytes), via="raw")
+
+
+def _rss_now() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+CASES: dict[str, Callable[[Spec, str], list[Row]]] = {
+    "drain": drain,
+    "submit": submit,
+    "status": status,
+    "concurrent": concurrent,
+    "growth": growth,
+    "prepare": prepare_growth,
+    "memory": memory,
+}
+
+
+def run(spec: Spec) -> list[Row]:
+    """Run one measurement named ``group/variant`` (e.g. ``drain/raw``)."""
+    group, _, variant = spec.case.partition("/")
+    try:
+        return CASES[group](spec, variant)
+    finally:
+        if spec.be.kind == "sqlite" and spec.extra.get("fresh_file"):
+            remove_sqlite(spec.url)

@@ -1,0 +1,186 @@
+"""The benchmark suite still runs: every measurement once at toy sizes, and the CLI end to end.
+
+Not a benchmark: nothing here is timed or compared. It keeps ``bench/`` from rotting when
+the store's schema or API moves (the floors write the store's tables by hand).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import dcache  # noqa: E402
+from bench import _cases, _floors, _prefill  # noqa: E402
+from bench._env import (  # noqa: E402
+    BACKENDS,
+    Params,
+    Spec,
+    new_id,
+    payload_json,
+    reachable,
+    server_urls,
+    stale_tables,
+    wipe,
+)
+
+TINY = Params(jobs=1, targets=4, samples=3, mem_targets=2, mem_result_bytes=2048, concurrent=2)
+
+
+def _spec(tmp_path: Path, case: str, backend: str = "sqlite", **extra: object) -> Spec:
+    be = BACKENDS[backend]
+    if be.server:
+        url = server_urls()[backend]
+        why = reachable(be.kind, url)
+        if why is not None:
+            pytest.skip(f"{backend} at {url} does not answer: {why}")
+    else:
+        url = f"sqlite:///{tmp_path / (case.replace('/', '-') + '.sqlite3')}"
+    return Spec(case, backend, url, TINY, str(tmp_path), dict(extra))
+
+
+CASES = [
+    "drain/raw",
+    "drain/core",
+    "drain/store",
+    "drain/runner",
+    "submit/raw",
+    "submit/core",
+    "submit/store",
+    "status/raw",
+    "status/core",
+    "status/store",
+    "status/runner",
+    "memory/runner",
+    "concurrent/runner",
+]
+if _floors.has_writer():
+    CASES.append("drain/writer")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_each_measurement_runs_at_toy_size(case: str, tmp_path: Path) -> None:
+    """Every case the suite schedules produces positive numbers with the current store."""
+    rows = _cases.run(_spec(tmp_path, case))
+    assert rows
+    for r in rows:
+        assert r["backend"] == "sqlite"
+        assert r["value"] >= 0
+        if r["unit"] != "errors" and not r["row"].startswith("memory-rss/"):
+            assert r["value"] > 0, r  # (RSS need not grow for a toy read)
+
+
+def test_growth_prefill_and_measurement(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefilled store is made, reused, cleaned of the measurement's jobs, and measured."""
+    monkeypatch.setenv("BENCH_CACHE_DIR", str(tmp_path / "cache"))
+    be = BACKENDS["sqlite"]
+    url = _prefill.growth_url(be, "", 100, str(tmp_path))
+    assert _prefill.ensure(be, url, 100).startswith("prefilled")
+    rows = _cases.run(Spec("growth/100", "sqlite", url, TINY, str(tmp_path), {"prefill": 100}))
+    assert {r["row"] for r in rows} == {
+        "growth-drain/10^2",
+        "growth-submit-p50/10^2",
+        "growth-submit-p99/10^2",
+    }
+    assert _prefill.ensure(be, url, 100).startswith("reused")
+    db = dcache.DB.open(url)
+    try:
+        assert db.live_batch_jobs_total() == 0
+        assert len(db.list_jobs(limit=1000)) == 100 // 32 + 1  # the prefill only
+    finally:
+        db.close()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql", "mariadb"])
+@pytest.mark.parametrize("variant", ["raw", "core"])
+def test_floors_leave_what_the_store_leaves(variant: str, backend: str, tmp_path: Path) -> None:
+    """The hand-written floors do the store's writes: the store reads their job back done.
+
+    On a server it shares the bench's database with whoever runs ``python -m bench``, so
+    it neither empties nor drops tables there: its ids and caller are its own.
+    """
+    spec = _spec(tmp_path, "drain/" + variant, backend)
+    if spec.be.server:
+        dcache.DB.open(spec.url).close()  # the schema, if missing
+        if stale_tables(spec.url):
+            pytest.skip(f"stale tables at {spec.url}: `python -m bench` rebuilds them")
+    else:
+        wipe(spec.url)
+    job, other, caller = new_id(), new_id(), "smoke-" + new_id()
+    impl = _floors.make(variant, spec.be, spec.url)
+    payload = payload_json(100)
+    try:
+        items = impl.prepare([f"https://example.com/{i}" for i in range(3)])
+        assert impl.submit(job, caller, "k" * 64, items) == "created"
+        assert impl.submit(other, caller, "k" * 64, items) == "reused"
+        running = [impl.write_target(job, i, "done", payload) for i in range(3)]
+        assert running == [True, True, False]
+        assert impl.write_target(job, 0, "done", payload) is False  # compare-and-set
+        assert len(impl.status(job)) == 3
+    finally:
+        impl.close()
+    db = dcache.DB.open(spec.url)
+    try:
+        found = db.get_job_with_targets(job)
+        assert found is not None
+        row, targets = found
+        assert (row.status, row.targets_done, row.targets_failed) == ("done", 3, 0)
+        assert row.finished_at is not None and row.expires_at > row.updated_at
+        assert [(t.status, t.result) for t in targets] == [("done", payload)] * 3
+        assert db.get_job(other) is None
+    finally:
+        with db.engine.begin() as conn:
+            conn.execute(text("DELETE FROM batch_target WHERE job_id = :j"), {"j": job})
+            conn.execute(text("DELETE FROM batch_job WHERE id = :j"), {"j": job})
+            conn.execute(text("DELETE FROM batch_lock WHERE name = :n"), {"n": "caller:" + caller})
+        db.close()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("huey") is None, reason="huey is not installed")
+def test_huey_comparison_runs(tmp_path: Path) -> None:
+    """The optional Huey row still matches Huey's API."""
+    rows = _cases.run(_spec(tmp_path, "drain/huey-nofsync"))
+    assert rows[0]["value"] > 0
+
+
+def test_cli_prints_the_table_and_writes_json(tmp_path: Path) -> None:
+    """``python -m bench`` runs a fresh process per measurement and repeat, and reports."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "--backends",
+            "sqlite",
+            "--only",
+            r"^drain/raw ",
+            "--repeats",
+            "1",
+            "--jobs",
+            "1",
+            "--workdir",
+            str(tmp_path / "work"),
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "| row | backend | median |" in proc.stdout
+    doc = json.loads(out.read_text())
+    rows = {(r["row"], r["backend"]): r for r in doc["rows"]}
+    assert len(rows[("drain/raw", "sqlite")]["values"]) == 1
+    assert rows[("drain/raw", "sqlite")]["median"] > 0

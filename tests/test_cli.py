@@ -1,0 +1,653 @@
+"""The command line (end to end in subprocesses) and the default fetcher behind it."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import pty
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import batch
+import dcache
+from batch import _cli
+from batch.fetchers import Fetcher
+
+DATA = Path(__file__).parent / "data"
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    """The environment of a CLI child: its own SQLite file, tests/data importable."""
+    out = {k: v for k, v in os.environ.items() if not k.startswith("BATCH_")}
+    out["BATCH_DB"] = f"sqlite:///{tmp_path / 'cli.sqlite3'}"
+    out["PYTHONPATH"] = os.pathsep.join([str(DATA), out.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    out["BATCH_TEST_LOG"] = str(tmp_path / "fetched.log")
+    out["BATCH_TEST_GO"] = str(tmp_path / "go")
+    out["BATCH_TEST_STARTED"] = str(tmp_path)
+    return out
+
+
+def cli(
+    env: dict[str, str], *args: str, stdin: str | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m batch ARGS`` to the end."""
+    return subprocess.run(
+        [sys.executable, "-m", "batch", *args],
+        env=env,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=cwd,
+        check=False,
+    )
+
+
+def spawn(env: dict[str, str], *args: str, **kw: Any) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "batch", *args],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=kw.pop("stdout", subprocess.PIPE),
+        stderr=kw.pop("stderr", subprocess.PIPE),
+        text=True,
+        **kw,
+    )
+
+
+def lines(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def fetched(env: dict[str, str]) -> list[str]:
+    path = Path(env["BATCH_TEST_LOG"])
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def until(predicate: Any, timeout: float = 30.0) -> None:
+    """Poll a condition a child process will make true (files, rows): no fixed sleeps."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.01)
+
+
+def only_job(env: dict[str, str]) -> dcache.JobRow:
+    with dcache.DB.open(env["BATCH_DB"]) as db:
+        rows = db.list_jobs()
+    assert len(rows) == 1
+    return rows[0]
+
+
+def write(path: Path, *rows: str) -> str:
+    path.write_text("".join(r + "\n" for r in rows), encoding="utf-8")
+    return str(path)
+
+
+# -- a local HTTP server for the fetcher ------------------------------------------------------
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    hang = threading.Event()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def _send(self, code: int, body: bytes, ctype: str = "text/plain", **headers: str) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        for name, value in headers.items():
+            self.send_header(name.replace("_", "-"), value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        path = self.path
+        if path == "/text":
+            self._send(200, "caf\u00e9\nline two\n".encode("latin-1"), "text/html; charset=latin-1")
+        elif path == "/json":
+            self._send(200, b'{"a": 1}', "application/json")
+        elif path == "/png":
+            self._send(200, b"\x89PNG\r\n\x1a\n\x00\xff", "image/png")
+        elif path.startswith("/hop/"):
+            n = int(path.rsplit("/", 1)[1])
+            if n == 0:
+                self._send(200, b"landed", "text/plain")
+            else:
+                self._send(302, b"", Location=f"/hop/{n - 1}")
+        elif path == "/to-ftp":
+            self._send(302, b"", Location="ftp://127.0.0.1/x")
+        elif path == "/to-file":
+            self._send(302, b"", Location="file:///etc/passwd")
+        elif path == "/missing":
+            self._send(404, b"nope")
+        elif path == "/broken":
+            self._send(503, b"down")
+        elif path == "/big":
+            self._send(200, b"x" * 5000)
+        elif path == "/big-unsized":
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            for _ in range(10):
+                self.wfile.write(b"y" * 1000)
+        elif path == "/hang":
+            self.hang.wait(10)
+            self._send(200, b"late")
+        elif path == "/drip":
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", "100")
+            self.end_headers()
+            for _ in range(100):
+                if self.hang.wait(0.02):
+                    break
+                self.wfile.write(b"z")
+                self.wfile.flush()
+        else:
+            self._send(404, b"?")
+
+
+class _QuietServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # clients the tests time out on purpose leave broken pipes behind
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    httpd = _QuietServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        _Handler.hang.set()
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def _fetch(url: str, fetcher: Fetcher | None = None, **options: Any) -> batch.Result:
+    return (fetcher or Fetcher())(batch.Target(url, batch.Options(**options)))
+
+
+def _refused(url: str, fetcher: Fetcher | None = None, **options: Any) -> batch.FetchError:
+    with pytest.raises(batch.FetchError) as info:
+        _fetch(url, fetcher, **options)
+    return info.value
+
+
+# -- the default fetcher ------------------------------------------------------------------------
+
+
+def test_fetcher_gets_text_with_status_and_content_type(server: str) -> None:
+    """An HTTP GET decodes the declared charset and puts status and type in meta."""
+    res = _fetch(server + "/text")
+    assert res.content == "caf\u00e9\nline two\n"
+    assert res.meta["status"] == 200
+    assert res.meta["content_type"] == "text/html; charset=latin-1"
+    assert res.meta["url"] == server + "/text"
+    assert _fetch(server + "/text", grep="two").content == "line two"
+    assert _fetch(server + "/json").content == '{"a": 1}'
+
+
+def test_fetcher_returns_binary_bodies_as_base64(server: str) -> None:
+    """A body that is not text comes back losslessly, base64-encoded and marked so."""
+    res = _fetch(server + "/png")
+    assert res.meta["encoding"] == "base64"
+    assert res.content == "iVBORw0KGgoA/w=="
+
+
+def test_fetcher_follows_a_bounded_number_of_redirects(server: str) -> None:
+    """Redirects are followed up to max_redirects; more fail the target."""
+    res = _fetch(server + "/hop/3", Fetcher(max_redirects=3))
+    assert res.content == "landed"
+    assert res.meta["url"] == server + "/hop/0"
+    err = _refused(server + "/hop/4", Fetcher(max_redirects=3))
+    assert "too many redirects" in err.message
+    assert "redirects" in _refused(server + "/hop/1", Fetcher(max_redirects=0)).message
+
+
+def test_fetcher_never_follows_a_redirect_out_of_http(server: str) -> None:
+    """A redirect to ftp:// or file:// is refused, not followed (no local file leaks)."""
+    assert "ftp" in _refused(server + "/to-ftp").message
+    assert "file" in _refused(server + "/to-file").message
+
+
+def test_fetcher_fails_http_errors_with_hints(server: str) -> None:
+    """4xx and 5xx answers fail the target with the status and a hint."""
+    err = _refused(server + "/missing")
+    assert err.message.startswith("HTTP 404")
+    assert err.hint == "check the URL"
+    assert "retry later" in _refused(server + "/broken").hint
+
+
+def test_fetcher_caps_the_body_size(server: str) -> None:
+    """Bodies over max_bytes fail, whether or not the server declares the length."""
+    small = Fetcher(max_bytes=4096)
+    assert "5000 bytes" in _refused(server + "/big", small).message
+    assert "over 4096 bytes" in _refused(server + "/big-unsized", small).message
+    assert len(_fetch(server + "/big-unsized").content) == 10_000
+
+
+def test_fetcher_times_out(server: str) -> None:
+    """A server that does not answer, or drips its body, fails within the timeout."""
+    fast = Fetcher(timeout=0.3)
+    started = time.monotonic()
+    assert "timed out" in _refused(server + "/hang", fast).message
+    assert "took over" in _refused(server + "/drip", fast).message
+    assert time.monotonic() - started < 5
+
+
+def test_fetcher_reports_unreachable_hosts() -> None:
+    """A closed port fails the target, it does not crash."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert "cannot reach" in _refused(f"http://127.0.0.1:{port}/").message
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["ftp://127.0.0.1/x", "gopher://x/", "data:text/plain,hi", "javascript:alert(1)", "/etc/hosts"],
+)
+def test_fetcher_refuses_other_schemes(url: str) -> None:
+    """Only http, https and file URLs are fetched."""
+    err = _refused(url)
+    assert "refused" in err.message or "no scheme" in err.message
+    assert "http or https or file" in err.hint
+
+
+def test_fetcher_reads_files(tmp_path: Path) -> None:
+    """file:// URLs (and relative file:name) are read, capped and reported."""
+    page = tmp_path / "page.txt"
+    page.write_text("alpha\nbeta\n", encoding="utf-8")
+    res = _fetch(page.as_uri())
+    assert res.content == "alpha\nbeta\n"
+    assert res.meta == {
+        "content_type": "text/plain; charset=utf-8",
+        "path": str(page),
+        "bytes": 11,
+    }
+    conf = tmp_path / "settings.toml"
+    conf.write_text("name = 'caf\u00e9'\n", encoding="utf-8")
+    assert _fetch(conf.as_uri()).content == "name = 'caf\u00e9'\n"
+    blob = tmp_path / "blob.bin"
+    blob.write_bytes(b"\xff\x00\xfe")
+    res = _fetch(blob.as_uri())
+    assert (res.content, res.meta["encoding"]) == ("/wD+", "base64")
+    assert "no such file" in _refused((tmp_path / "nope").as_uri()).message
+    assert "directory" in _refused(tmp_path.as_uri()).message
+    assert "remote host" in _refused("file://example.org/etc/hosts").message
+    assert "at most 4" in _refused(page.as_uri(), Fetcher(max_bytes=4)).message
+
+
+def test_fetcher_refuses_options_it_cannot_honour(tmp_path: Path) -> None:
+    """An option other than grep fails the target rather than being ignored."""
+    page = tmp_path / "p.txt"
+    page.write_text("x")
+    err = _refused(page.as_uri(), jq=".a")
+    assert "jq" in err.message
+    assert "--fetch" in err.hint
+
+
+def test_fetcher_scheme_list_narrows(tmp_path: Path) -> None:
+    """A web app can keep only https: http and file are then refused."""
+    https_only = Fetcher(schemes=("https",))
+    assert "refused" in _refused("http://127.0.0.1/", https_only).message
+    assert "refused" in _refused((tmp_path / "x").as_uri(), https_only).message
+    with pytest.raises(ValueError, match="schemes"):
+        Fetcher(schemes=("ftp",))
+    with pytest.raises(ValueError, match="timeout"):
+        Fetcher(timeout=0)
+
+
+# -- batch run ----------------------------------------------------------------------------------
+
+
+def test_run_prints_each_outcome_and_exits_0_when_done(
+    env: dict[str, str], tmp_path: Path, server: str
+) -> None:
+    """run fetches http and file targets with the default fetcher, one JSON line each."""
+    page = tmp_path / "page.txt"
+    page.write_text("alpha\nbeta\n", encoding="utf-8")
+    targets = write(
+        tmp_path / "targets.txt",
+        "# a comment, then a blank line",
+        "",
+        server + "/text",
+        json.dumps({"url": page.as_uri(), "options": {"grep": "beta"}}),
+        "file:page.txt",
+    )
+    done = cli(env, "run", targets, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    out = lines(done.stdout)
+    assert [t["status"] for t in out] == ["done", "done", "done"]
+    assert out[0]["result"]["meta"]["status"] == 200
+    assert out[1]["result"]["content"] == "beta"
+    assert out[1]["options"] == {"grep": "beta"}
+    assert out[2]["result"]["content"] == "alpha\nbeta\n"
+    assert "3 target(s)" in done.stderr
+    assert only_job(env).status == "done"
+
+
+def test_run_partial_exits_1_and_a_rerun_reuses_the_stored_results(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """A rerun of the same file within the lease prints the stored results, fetching nothing."""
+    targets = write(tmp_path / "t.txt", "test://ok/1", "test://fail/2")
+    first = cli(env, "run", "--fetch", "cli_fetch:counting", targets)
+    assert first.returncode == 1, first.stderr
+    assert [t["status"] for t in lines(first.stdout)] == ["done", "failed"]
+    assert lines(first.stdout)[1]["hint"] == "it is a test"
+    assert fetched(env) == ["test://ok/1", "test://fail/2"]
+
+    again = cli(env, "run", "--fetch", "cli_fetch:counting", targets)
+    assert again.returncode == 1
+    assert again.stdout == first.stdout
+    assert "reused" in again.stderr
+    assert "without fetching again" in again.stderr
+    assert fetched(env) == ["test://ok/1", "test://fail/2"]
+
+
+def test_run_reads_targets_from_stdin(env: dict[str, str]) -> None:
+    """FILE - reads the targets from standard input."""
+    done = cli(env, "run", "--fetch", "cli_fetch:counting", "-", stdin="test://a\ntest://b\n")
+    assert done.returncode == 0, done.stderr
+    assert [t["url"] for t in lines(done.stdout)] == ["test://a", "test://b"]
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([], "no targets"),
+        (["# only a comment"], "no targets"),
+        (["test://a", "{not json"], ":2: not valid JSON"),
+        (["test://a", "two words"], ":2: one URL a line"),
+        (["test://a", '{"url": "test://b", "extra": 1}'], ":2: targets[1]: unknown field"),
+        (["test://a", "", "test://a"], ":3: targets[1] duplicates targets[0]"),
+        (['{"url": "test://a", "options": {"grep": 3}}'], ":1: targets[0]: options.grep"),
+        (["test://x"] * 0 + [f"test://{i}" for i in range(33)], "too many targets"),
+    ],
+)
+def test_run_refuses_bad_input_with_exit_2(
+    env: dict[str, str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    rows: list[str],
+    message: str,
+) -> None:
+    """Bad target files exit 2 naming the line at fault, before anything is fetched."""
+    monkeypatch.setenv("BATCH_DB", env["BATCH_DB"])
+    path = write(tmp_path / "bad.txt", *rows)
+    assert _cli.main(["run", "--fetch", "batch.demo:fetch_file", path]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--fetch", "nocolon"], "use module:callable"),
+        (["--fetch", "no_such_module_xyz:f"], "cannot import"),
+        (["--fetch", "cli_fetch:nothing"], "has no nothing"),
+        (["--fetch", "cli_fetch:not_callable"], "not callable"),
+    ],
+)
+def test_run_refuses_a_bad_fetch_with_exit_2(
+    env: dict[str, str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    message: str,
+) -> None:
+    """--fetch must name an importable callable as module:callable."""
+    monkeypatch.setenv("BATCH_DB", env["BATCH_DB"])
+    monkeypatch.syspath_prepend(str(DATA))
+    path = write(tmp_path / "t.txt", "test://a")
+    assert _cli.main(["run", *args, path]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_run_of_a_missing_file_exits_2(env: dict[str, str], tmp_path: Path) -> None:
+    """A missing targets file is bad input (end to end: the exit status a shell sees)."""
+    done = cli(env, "run", str(tmp_path / "missing.txt"))
+    assert done.returncode == 2
+    assert "no such file" in done.stderr
+    assert _cli.main(["frobnicate"]) == 2
+
+
+def _started(tmp_path: Path, name: str) -> bool:
+    return (tmp_path / f"started-{name}").exists()
+
+
+def test_ctrl_c_cancels_the_job_stores_the_target_in_flight_and_exits_130(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """The first Ctrl-C cancels the job; the in-flight target is stored; exit 130."""
+    targets = write(tmp_path / "t.txt", "test://x/a", "test://x/b", "test://x/c")
+    proc = spawn(env, "run", "--fetch", "cli_fetch:blocking", targets)
+    try:
+        until(lambda: _started(tmp_path, "a"))
+        proc.send_signal(signal.SIGINT)
+        until(lambda: only_job(env).status == "cancelled")
+        Path(env["BATCH_TEST_GO"]).touch()  # let the target in flight finish
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "cancelled" in err
+    assert [t["status"] for t in lines(out)] == ["done", "pending", "pending"]
+    job = only_job(env)
+    assert job.status == "cancelled"
+    assert job.finished_at is not None
+    assert fetched(env) == ["test://x/a"]
+
+
+def test_second_ctrl_c_leaves_at_once_with_the_job_cancelled(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """A second Ctrl-C does not wait for a stuck fetch; the job stays cancelled."""
+    targets = write(tmp_path / "t.txt", "test://x/a", "test://x/b")
+    proc = spawn(env, "run", "--fetch", "cli_fetch:blocking", targets)
+    try:
+        until(lambda: _started(tmp_path, "a"))
+        proc.send_signal(signal.SIGINT)
+        until(lambda: only_job(env).status == "cancelled")
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=30)
+    finally:
+        Path(env["BATCH_TEST_GO"]).touch()
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert only_job(env).status == "cancelled"
+    assert fetched(env) == ["test://x/a"]
+
+
+def test_run_shows_a_progress_bar_on_a_terminal(env: dict[str, str], tmp_path: Path) -> None:
+    """On a TTY, stderr carries a progress bar; stdout stays pure JSON lines."""
+    targets = write(tmp_path / "t.txt", "test://x/a", "test://x/b")
+    main_fd, sub_fd = pty.openpty()
+    proc = spawn(env, "run", "--fetch", "cli_fetch:blocking", targets, stderr=sub_fd)
+    os.close(sub_fd)
+    seen = b""
+    try:
+        until(lambda: _started(tmp_path, "a"))
+        Path(env["BATCH_TEST_GO"]).touch()
+        while True:
+            try:
+                chunk = os.read(main_fd, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            seen += chunk
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        os.close(main_fd)
+        proc.kill()
+    assert proc.returncode == 0
+    job_id = only_job(env).id
+    assert f"job {job_id[:8]}".encode() in seen
+    assert b"\r" in seen
+    assert len(lines(out)) == 2
+
+
+def test_line_bar_is_the_fallback_without_tqdm(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without tqdm installed, a one-line counter stands in for the bar."""
+    real = _cli.importlib.import_module
+
+    def no_tqdm(name: str) -> Any:
+        if name == "tqdm":
+            raise ImportError("no tqdm")
+        return real(name)
+
+    monkeypatch.setattr(_cli.importlib, "import_module", no_tqdm)
+    job = batch.Job(
+        id="ab" * 16, status="running", error="", targets_total=4, targets_done=1, finished_at=None
+    )
+    bar = _cli._progress(job, True)
+    bar.update(job)
+    bar.close()
+    err = capsys.readouterr().err
+    assert "job abababab [######" in err
+    assert "1/4 running" in err
+
+
+# -- status, cancel, jobs, purge ----------------------------------------------------------------
+
+
+class _Blocking:
+    """An in-process fetch held at a gate, so a CLI child can act on a live job."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.started = threading.Event()
+
+    def __call__(self, target: batch.Target) -> batch.Result:
+        self.started.set()
+        assert self.gate.wait(30)
+        return batch.Result("ok")
+
+
+def test_status_cancel_jobs_and_purge_end_to_end(
+    env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """status, cancel, jobs and purge work on a job drained by another process."""
+    fetch = _Blocking()
+    with dcache.DB.open(env["BATCH_DB"]) as db:
+        runner = batch.Runner(db, fetch)
+        try:
+            job_id, _ = runner.submit(
+                "web:alice", "web", [{"url": "test://a"}, {"url": "test://b"}]
+            )
+            assert fetch.started.wait(10)
+
+            table = cli(env, "status", job_id)
+            assert table.returncode == 0, table.stderr
+            assert f"job {job_id}: running" in table.stdout
+            assert "IDX" in table.stdout
+            assert "test://a" in table.stdout
+            as_json = cli(env, "status", job_id, "--json")
+            body = json.loads(as_json.stdout)
+            assert [t["status"] for t in body["targets"]] == ["running", "pending"]
+
+            live = cli(env, "jobs", "--live", "--json")
+            assert [j["id"] for j in lines(live.stdout)] == [job_id]
+
+            cancelled = cli(env, "cancel", job_id)
+            assert cancelled.returncode == 0, cancelled.stderr
+            assert "cancelled" in cancelled.stdout
+            fetch.gate.set()
+            job = runner.wait(job_id, timeout=10)
+            assert job is not None
+            assert job.status == "cancelled"
+            found = runner.status(job_id)
+            assert found is not None
+            assert [t.status for t in found[1]] == ["done", "pending"]
+
+            # The same commands in-process (same code, no interpreter start-up each).
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("BATCH_DB", env["BATCH_DB"])
+                assert _cli.main(["cancel", job_id]) == 1
+                assert "already cancelled" in capsys.readouterr().err
+                assert _cli.main(["status", "f" * 32]) == 1
+                assert "no job" in capsys.readouterr().err
+                assert _cli.main(["cancel", "f" * 32]) == 1
+                assert _cli.main(["jobs"]) == 0
+                table = capsys.readouterr().out
+                assert job_id in table
+                assert "cancelled" in table
+                assert _cli.main(["jobs", "--live"]) == 0
+                assert capsys.readouterr().err.strip() == "batch: no live jobs"
+        finally:
+            fetch.gate.set()
+            runner.close(timeout=10)
+
+        # A job whose lease lapsed is purged by `batch purge`.
+        with batch.Runner(db, lambda t: batch.Result("x"), batch.Config(ttl=0.05)) as short:
+            lapsed, _ = short.submit("web:bob", "web", [{"url": "test://c"}])
+            short.wait(lapsed, timeout=10)
+        until(lambda: db.get_job(lapsed) is None)
+    purged = cli(env, "purge", "--json")
+    assert purged.returncode == 0, purged.stderr
+    assert json.loads(purged.stdout) == {"purged": 1}
+    remaining = cli(env, "jobs", "--json")
+    assert [j["id"] for j in lines(remaining.stdout)] == [job_id]
+
+
+def test_a_busy_caller_exits_75(env: dict[str, str], tmp_path: Path) -> None:
+    """A caller at its live-job cap gets exit 75 (retry later), not a crash or a wait."""
+    fetch = _Blocking()
+    with dcache.DB.open(env["BATCH_DB"]) as db, batch.Runner(db, fetch) as runner:
+        try:
+            runner.submit("cli", "cli", [{"url": "test://a"}])
+            targets = write(tmp_path / "t.txt", "test://other")
+            busy = cli(env, "run", "--fetch", "cli_fetch:counting", targets)
+            assert busy.returncode == 75, busy.stderr
+            assert "busy" in busy.stderr
+            other = cli(env, "run", "--caller", "bob", "--fetch", "cli_fetch:counting", targets)
+            assert other.returncode == 0, other.stderr
+        finally:
+            fetch.gate.set()
+
+
+def test_db_option_and_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--db goes before or after the command; $BATCH_DB, then the default, stand in."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("BATCH_DB", raising=False)
+    assert _cli.main(["jobs"]) == 0
+    assert (tmp_path / "batch.sqlite3").exists()
+    for args in (["--db", "sqlite:///a.sqlite3", "jobs"], ["jobs", "--db", "sqlite:///b.sqlite3"]):
+        assert _cli.main(args) == 0
+    assert (tmp_path / "a.sqlite3").exists()
+    assert (tmp_path / "b.sqlite3").exists()
+    monkeypatch.setenv("BATCH_DB", "sqlite:///c.sqlite3")
+    assert _cli.main(["purge"]) == 0
+    assert (tmp_path / "c.sqlite3").exists()
+    assert "purged 0" in capsys.readouterr().out
+    assert _cli.main(["jobs", "--db", "nosuchdialect://x"]) == 1
+    assert _cli.main(["--help"]) == 0

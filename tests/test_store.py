@@ -1,0 +1,989 @@
+"""The store, one operation at a time, on every backend (memory, SQLite file, PostgreSQL, MariaDB).
+
+Time is always injected (``now=``), so leases lapse by moving the clock, never by sleeping.
+Races between threads and processes live in ``test_store_races.py``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import backend_url, open_backend
+from sqlalchemy import event, select, text
+from sqlalchemy import exc as sa_exc
+
+import dcache
+from dcache import DB, JobRow, NewTarget, SubmitOutcome
+from dcache._schema import owners
+
+UTC = dt.timezone.utc
+T0 = dt.datetime(2030, 1, 1, tzinfo=UTC)
+TTL = dt.timedelta(minutes=10)
+MiB = 1024 * 1024
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def idem(*parts: str) -> str:
+    """An idempotency key shaped like the runner's (sha256 hex)."""
+    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
+
+
+def submit(
+    db: DB,
+    *,
+    caller: str = "alice",
+    key: str | None = None,
+    n: int = 2,
+    per_caller: int = 8,
+    total: int = 8,
+    ttl: dt.timedelta = TTL,
+    now: dt.datetime = T0,
+    owner: str = "",
+    job_id: str | None = None,
+) -> SubmitOutcome:
+    """Submit a job of ``n`` targets with generous caps unless told otherwise."""
+    return db.submit(
+        job_id=job_id or uuid.uuid4().hex,
+        caller=caller,
+        caller_class="user",
+        idem_key=key or idem(caller, uuid.uuid4().hex),
+        targets=[NewTarget(f"https://example.com/{i}", '{"mode":"text"}') for i in range(n)],
+        ttl=ttl,
+        jobs_per_caller=per_caller,
+        jobs_total=total,
+        owner=owner,
+        now=now,
+    )
+
+
+def created(db: DB, **kw: Any) -> JobRow:
+    """Submit and insist a new job was created."""
+    out = submit(db, **kw)
+    assert out.kind == "created", out
+    assert out.job is not None
+    return out.job
+
+
+def job_of(db: DB, job_id: str, now: dt.datetime = T0) -> JobRow:
+    """Read a job that must be visible."""
+    job = db.get_job(job_id, now=now)
+    assert job is not None, f"job {job_id} not visible at {now}"
+    return job
+
+
+def sql(db: DB, query: str, **params: Any) -> list[Any]:
+    """Run raw SQL through the store's engine (for checks the API does not expose)."""
+    with db.engine.begin() as conn:
+        result = conn.execute(text(query), params)
+        return list(result.all()) if result.returns_rows else []
+
+
+def target_count(db: DB, job_id: str) -> int:
+    """How many target rows a job has left in the database."""
+    return int(sql(db, "SELECT count(*) FROM batch_target WHERE job_id = :j", j=job_id)[0][0])
+
+
+# -- schema --------------------------------------------------------------------------------
+
+
+def test_schema_creation_is_idempotent_and_records_the_version(db: DB) -> None:
+    """Every process opens the store at start: a second open must neither fail nor duplicate."""
+    job = created(db)
+    again = DB(db.engine)  # the caller owns this engine: the schema step runs again on it
+    try:
+        assert again.schema_version() == dcache.SCHEMA_VERSION
+        assert job_of(again, job.id).id == job.id
+    finally:
+        again.close()
+    assert db.schema_version() == dcache.SCHEMA_VERSION
+    assert sql(db, "SELECT count(*) FROM dcache_meta")[0][0] == 1
+    assert sql(db, "SELECT count(*) FROM batch_lock WHERE name = 'global'")[0][0] == 1
+    # Closing a store that does not own its engine leaves the engine usable.
+    assert job_of(db, job.id).status == "running"
+
+
+def test_reopening_a_url_keeps_the_data(backend: str, tmp_path: Path) -> None:
+    """A restarted process opens the same URL and must find its jobs and version intact."""
+    if backend == "memory":
+        pytest.skip("an in-memory store lives only as long as its DB object")
+    first = open_backend(backend, tmp_path)
+    try:
+        job = created(first)
+    finally:
+        first.close()
+    with DB.open(backend_url(backend, tmp_path)) as second:
+        assert second.schema_version() == dcache.SCHEMA_VERSION
+        assert job_of(second, job.id).targets_total == 2
+
+
+def test_a_newer_schema_version_is_refused(db: DB) -> None:
+    """An old library must not scribble over a schema it does not understand."""
+    sql(db, "UPDATE dcache_meta SET value = '99' WHERE value = :v", v=str(dcache.SCHEMA_VERSION))
+    try:
+        with pytest.raises(dcache.SchemaVersionError):
+            DB(db.engine)
+    finally:
+        sql(
+            db, "UPDATE dcache_meta SET value = :v WHERE value = '99'", v=str(dcache.SCHEMA_VERSION)
+        )
+    assert db.schema_version() == dcache.SCHEMA_VERSION
+
+
+# -- submit --------------------------------------------------------------------------------
+
+
+def test_submit_creates_a_running_job_with_pending_targets(db: DB) -> None:
+    """submit returns with the job already running, all its targets pending, lease now+ttl."""
+    job = created(db, n=3, owner="runner-1")
+    assert job.status == "running"
+    assert (job.targets_total, job.targets_done, job.targets_failed) == (3, 0, 0)
+    assert job.created_at == job.updated_at == T0
+    assert job.expires_at == T0 + TTL
+    assert job.finished_at is None
+    assert job.ttl == TTL
+    assert job.owner == "runner-1"
+    found = db.get_job_with_targets(job.id, now=T0)
+    assert found is not None
+    stored, targets = found
+    assert stored == job
+    assert [t.idx for t in targets] == [0, 1, 2]
+    assert [t.url for t in targets] == [f"https://example.com/{i}" for i in range(3)]
+    assert all(t.options == '{"mode":"text"}' for t in targets)
+    assert all(t.status == "pending" and t.result is None and t.updated_at is None for t in targets)
+
+
+def test_submit_without_targets_is_a_value_error(db: DB) -> None:
+    """A job needs at least one target; the store refuses an empty one before any SQL."""
+    with pytest.raises(ValueError):
+        submit(db, n=0)
+
+
+def test_identical_submit_is_reused_while_the_lease_holds(db: DB) -> None:
+    """Idempotency: the same (caller, idem_key) returns the same job, no second row."""
+    key = idem("alice", "pages")
+    job = created(db, key=key)
+    out = submit(db, key=key, now=T0 + TTL - dt.timedelta(microseconds=1))
+    assert out.kind == "reused"
+    assert out.job is not None
+    assert out.job.id == job.id
+    assert len(db.list_jobs(now=T0)) == 1
+
+
+def test_a_terminal_job_is_reused_until_its_lease_lapses(db: DB) -> None:
+    """Rule 1: a job in any status is reused while its lease holds; only then is a new one made."""
+    for end in ("cancel", "fail", "done"):
+        key = idem("alice", end)
+        job = created(db, key=key, n=1)
+        if end == "cancel":
+            assert db.cancel(job.id, now=T0)
+        elif end == "fail":
+            assert db.fail_job(job.id, "boom", now=T0)
+        else:
+            assert db.write_target(job.id, 0, status="done", ttl=TTL, now=T0).finished
+        out = submit(db, key=key, now=T0 + dt.timedelta(minutes=5))
+        assert out.kind == "reused", end
+        assert out.job is not None
+        assert out.job.id == job.id, end
+        assert out.job.status == job_of(db, job.id).status != "running"
+
+        later = T0 + TTL  # expires_at <= now: lapsed
+        fresh = submit(db, key=key, now=later)
+        assert fresh.kind == "created", end
+        assert fresh.job is not None
+        assert fresh.job.id != job.id
+        # The lookup now finds the new job, not the lapsed one.
+        by_idem = db.batch_job_by_idem("alice", key, now=later)
+        assert by_idem is not None
+        assert by_idem.id == fresh.job.id, end
+
+
+def test_reuse_wins_over_full_caps(db: DB) -> None:
+    """Rule 1 before rule 2: a resubmit of a live job is reused even when every cap is full."""
+    key = idem("alice", "full")
+    job = created(db, key=key, per_caller=1, total=1)
+    out = submit(db, key=key, per_caller=1, total=1)
+    assert out.kind == "reused"
+    assert out.job is not None
+    assert out.job.id == job.id
+
+
+def test_idempotency_is_per_caller(db: DB) -> None:
+    """The same key from another caller is another job."""
+    key = idem("shared")
+    a = created(db, caller="alice", key=key)
+    b = created(db, caller="bob", key=key)
+    assert a.id != b.id
+
+
+def test_callers_differing_only_in_case_accents_or_padding_are_distinct(db: DB) -> None:
+    """Caller ids are opaque: 'alice' shares caps and jobs with no 'Alice', 'alicé', 'alice '."""
+    callers = ("alice", "Alice", "alicé", "alice ")
+    for caller in callers:
+        created(db, caller=caller, per_caller=1)
+    for caller in callers:
+        assert db.live_batch_jobs(caller) == 1, caller
+        assert [j.caller for j in db.list_jobs(caller=caller, now=T0)] == [caller]
+
+
+def test_caller_busy_reports_the_callers_live_count(db: DB) -> None:
+    """Rule 2: a caller at jobs_per_caller live jobs is refused, with the count that hit the cap."""
+    created(db, per_caller=2)
+    created(db, per_caller=2)
+    created(db, caller="bob", per_caller=2)
+    out = submit(db, per_caller=2)
+    assert out == SubmitOutcome("caller_busy", None, 2)
+    assert db.live_batch_jobs("alice") == 2
+    assert db.live_batch_jobs_total() == 3
+
+
+def test_busy_reports_the_total_live_count(db: DB) -> None:
+    """Rule 2: at jobs_total live jobs overall, a new caller is refused, with the total."""
+    for caller in ("a", "b", "c"):
+        created(db, caller=caller, total=3)
+    out = submit(db, caller="d", total=3)
+    assert out == SubmitOutcome("busy", None, 3)
+    assert db.live_batch_jobs("d") == 0
+
+
+def test_the_caller_cap_is_checked_before_the_total_cap(db: DB) -> None:
+    """When both caps are full the caller hears that it is the one over its share."""
+    created(db, per_caller=1, total=1)
+    out = submit(db, per_caller=1, total=1)
+    assert out.kind == "caller_busy"
+    assert out.live == 1
+
+
+def test_live_is_by_status_not_by_lease(db: DB) -> None:
+    """A running job past its expiry still holds its slot; a finished one with a lease does not."""
+    stuck = created(db, per_caller=1)
+    far = T0 + 100 * TTL
+    out = submit(db, per_caller=1, now=far)
+    assert out.kind == "caller_busy"
+    assert out.live == 1
+    assert db.live_batch_jobs("alice") == 1
+    # A running job is never hidden, lease or not, and its key is still reused.
+    assert job_of(db, stuck.id, now=far).status == "running"
+    again = submit(db, key=stuck.idem_key, per_caller=1, now=far)
+    assert again.kind == "reused"
+    # Once it is no longer live, its lease (bumped by the cancel) is irrelevant to the caps.
+    assert db.cancel(stuck.id, now=far)
+    assert db.live_batch_jobs("alice") == 0
+    assert created(db, per_caller=1, total=1, now=far).status == "running"
+
+
+def test_a_duplicate_job_id_is_a_store_error_and_leaves_nothing_behind(db: DB) -> None:
+    """A failed submit transaction rolls back whole and surfaces as StoreError, not sqlalchemy's."""
+    job = created(db, n=2)
+    with pytest.raises(dcache.StoreError) as info:
+        submit(db, job_id=job.id, caller="bob", n=5)
+    assert not isinstance(info.value, sa_exc.SQLAlchemyError)
+    assert isinstance(info.value.__cause__, sa_exc.SQLAlchemyError)
+    assert target_count(db, job.id) == 2
+    assert db.live_batch_jobs("bob") == 0
+    assert job_of(db, job.id).caller == "alice"
+
+
+# -- write_target --------------------------------------------------------------------------
+
+
+def test_write_target_is_compare_and_set(db: DB) -> None:
+    """A target is stored once: a second write of the same index changes nothing."""
+    job = created(db, n=2)
+    first = db.write_target(job.id, 0, status="done", result="first", ttl=TTL, now=T0)
+    assert first == dcache.WriteOutcome(True, "running", False)
+    assert first.running
+    second = db.write_target(
+        job.id, 0, status="failed", error="late", ttl=TTL, now=T0 + dt.timedelta(seconds=5)
+    )
+    assert second == dcache.WriteOutcome(False, "running", False)
+    found = db.get_job_with_targets(job.id, now=T0)
+    assert found is not None
+    stored, targets = found
+    assert (targets[0].status, targets[0].result, targets[0].error) == ("done", "first", "")
+    assert stored.targets_done == 1
+    assert stored.updated_at == T0
+
+
+def test_write_target_to_an_unknown_job_or_index_is_not_stored(db: DB) -> None:
+    """A write for a purged job or a bad index reports stored=False instead of raising."""
+    job = created(db, n=1)
+    assert db.write_target("nope", 0, status="done", ttl=TTL, now=T0) == dcache.WriteOutcome(
+        False, ""
+    )
+    out = db.write_target(job.id, 7, status="done", ttl=TTL, now=T0)
+    assert out == dcache.WriteOutcome(False, "running")
+    assert job_of(db, job.id).targets_done == 0
+
+
+def test_write_target_rejects_a_status_other_than_done_or_failed(db: DB) -> None:
+    """Only terminal target statuses are written; anything else is a programming error."""
+    job = created(db, n=1)
+    with pytest.raises(ValueError):
+        db.write_target(job.id, 0, status="pending", ttl=TTL, now=T0)
+
+
+def test_every_write_moves_the_lease_to_now_plus_ttl(db: DB, clock: Any) -> None:
+    """Rule 5: a job being drained stays readable a full TTL after its latest write."""
+    job = created(db, n=3, now=clock.now)
+    for idx in range(3):
+        at = clock.advance(minutes=7)  # beyond the previous lease's start, within it
+        db.write_target(job.id, idx, status="done", result=str(idx), ttl=TTL, now=at)
+        stored = job_of(db, job.id, now=at)
+        assert stored.expires_at == at + TTL
+        assert stored.updated_at == at
+    # The job is done now: its lease lapses a TTL after the last write, not before.
+    last = clock.now
+    assert db.get_job(job.id, now=last + TTL - dt.timedelta(microseconds=1)) is not None
+    assert db.get_job(job.id, now=last + TTL) is None
+
+
+def test_write_target_counts_done_and_failed(db: DB) -> None:
+    """targets_done counts every stored target, targets_failed the failed ones among them."""
+    job = created(db, n=4)
+    for idx, status in enumerate(["done", "failed", "failed"]):
+        db.write_target(
+            job.id,
+            idx,
+            status=status,
+            result="r",
+            error="e" * (status == "failed"),
+            hint="h",
+            ttl=TTL,
+            now=T0,
+        )
+    stored = job_of(db, job.id)
+    assert (stored.targets_done, stored.targets_failed, stored.status) == (3, 2, "running")
+    found = db.get_job_with_targets(job.id, now=T0)
+    assert found is not None
+    assert [(t.status, t.error, t.hint) for t in found[1]] == [
+        ("done", "", "h"),
+        ("failed", "e", "h"),
+        ("failed", "e", "h"),
+        ("pending", "", ""),
+    ]
+
+
+TERMINAL_CASES = [
+    (["done", "done", "done"], "done"),
+    (["failed", "failed", "failed"], "failed"),
+    (["done", "failed", "done"], "partial"),
+    (["failed", "failed", "done"], "partial"),
+    (["done"], "done"),
+    (["failed"], "failed"),
+]
+
+
+def test_the_last_write_sets_the_terminal_status_once(db: DB) -> None:
+    """Rule 7: all done → done, all failed → failed, a mix → partial, with finished_at, once."""
+    for statuses, terminal in TERMINAL_CASES:
+        case = f"{statuses} -> {terminal}"
+        job = created(db, n=len(statuses))
+        for idx, status in enumerate(statuses):
+            at = T0 + dt.timedelta(seconds=idx + 1)
+            out = db.write_target(job.id, idx, status=status, result="r", ttl=TTL, now=at)
+            last = idx == len(statuses) - 1
+            assert out.stored, case
+            assert out.status == (terminal if last else "running"), case
+            assert out.finished is last, case
+            assert out.running is not last, case
+        end = T0 + dt.timedelta(seconds=len(statuses))
+        stored = job_of(db, job.id)
+        assert stored.status == terminal, case
+        assert stored.finished_at == end, case
+        assert stored.targets_done == len(statuses), case
+        assert stored.targets_failed == statuses.count("failed"), case
+        # Set exactly once: nothing later moves a terminal job.
+        later = end + dt.timedelta(minutes=1)
+        assert not db.write_target(job.id, 0, status="failed", ttl=TTL, now=later).stored
+        assert not db.cancel(job.id, now=later)
+        assert not db.fail_job(job.id, "late", now=later)
+        assert not db.mark_finished(job.id, now=later)
+        assert db.mark_in_flight_failed("restart", now=later) == 0
+        again = job_of(db, job.id)
+        assert (again.status, again.finished_at, again.error) == (terminal, end, ""), case
+
+
+def test_a_write_after_cancel_stores_the_target_and_finishes_the_job(db: DB) -> None:
+    """Rule 6: the in-flight target is stored after a cancel, and tells the drain to stop."""
+    job = created(db, n=3)
+    db.write_target(job.id, 0, status="done", result="a", ttl=TTL, now=T0)
+    assert db.cancel(job.id, now=T0 + dt.timedelta(seconds=1))
+    assert job_of(db, job.id).finished_at is None  # the drain has not stopped yet
+    at = T0 + dt.timedelta(seconds=2)
+    out = db.write_target(job.id, 1, status="done", result="b", ttl=TTL, now=at)
+    assert out == dcache.WriteOutcome(True, "cancelled", True)
+    assert not out.running
+    stored = job_of(db, job.id)
+    assert (stored.status, stored.targets_done, stored.finished_at) == ("cancelled", 2, at)
+    assert stored.expires_at == at + TTL
+    # Even writing the last target never turns a cancelled job into done; finished_at stays.
+    out = db.write_target(job.id, 2, status="done", ttl=TTL, now=at + dt.timedelta(seconds=1))
+    assert out == dcache.WriteOutcome(True, "cancelled", True)
+    stored = job_of(db, job.id)
+    assert (stored.status, stored.targets_done, stored.finished_at) == ("cancelled", 3, at)
+
+
+def test_a_write_after_fail_job_is_stored_and_keeps_the_failure(db: DB) -> None:
+    """A reaped job's in-flight result is kept, but the job stays failed with its reason."""
+    job = created(db, n=2)
+    assert db.fail_job(job.id, "restart", now=T0)
+    out = db.write_target(
+        job.id, 0, status="done", result="kept", ttl=TTL, now=T0 + dt.timedelta(seconds=1)
+    )
+    assert out == dcache.WriteOutcome(True, "failed", True)
+    stored = job_of(db, job.id)
+    assert (stored.status, stored.error, stored.finished_at) == ("failed", "restart", T0)
+    assert stored.targets_done == 1
+
+
+def test_a_writer_commits_each_target_on_its_held_connection(db: DB) -> None:
+    """A drain's Writer keeps one connection, yet every write is committed the moment it returns."""
+    job = created(db, n=3)
+    checked_out = getattr(db.engine.pool, "checkedout", lambda: 0)
+    with db.writer() as writer:
+        for idx, status in enumerate(["done", "failed", "done"]):
+            out = writer.write_target(
+                job.id,
+                idx,
+                status=status,
+                result=f"r{idx}",
+                ttl=TTL,
+                now=T0 + dt.timedelta(seconds=idx),
+            )
+            assert out.stored
+            # Another connection sees it at once: nothing waits for the drain to end.
+            assert job_of(db, job.id).targets_done == idx + 1
+            assert checked_out() == 1
+        assert not writer.write_target(job.id, 0, status="done", ttl=TTL, now=T0).stored
+        with pytest.raises(ValueError):
+            writer.write_target(job.id, 0, status="running", ttl=TTL, now=T0)
+        writer.close()
+        assert checked_out() == 0
+        writer.close()  # idempotent
+    assert checked_out() == 0
+    stored = job_of(db, job.id)
+    assert (stored.status, stored.targets_done, stored.targets_failed) == ("partial", 3, 1)
+
+
+def test_a_failed_write_rolls_back_whole_and_the_writer_recovers(db: DB) -> None:
+    """Target and counters move in one transaction; a failure mid-way leaves neither changed."""
+    job = created(db, n=2)
+    fail_next_job_update = [True]
+
+    def fail_once(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
+        if fail_next_job_update[0] and statement.lstrip().upper().startswith("UPDATE BATCH_JOB"):
+            fail_next_job_update[0] = False
+            raise sa_exc.OperationalError(statement, {}, RuntimeError("connection lost"))
+
+    with db.writer() as writer:
+        assert writer.write_target(job.id, 0, status="done", ttl=TTL, now=T0).stored
+        event.listen(db.engine, "before_cursor_execute", fail_once)
+        try:
+            with pytest.raises(dcache.StoreError) as info:
+                writer.write_target(job.id, 1, status="done", result="lost", ttl=TTL, now=T0)
+        finally:
+            event.remove(db.engine, "before_cursor_execute", fail_once)
+        assert not isinstance(info.value, sa_exc.SQLAlchemyError)
+        found = db.get_job_with_targets(job.id, now=T0)
+        assert found is not None
+        assert found[0].targets_done == 1
+        assert (found[1][1].status, found[1][1].result) == ("pending", None)
+        # The writer dropped its connection and takes a fresh one for the retry.
+        assert writer.write_target(
+            job.id, 1, status="done", result="kept", ttl=TTL, now=T0
+        ).finished
+    found = db.get_job_with_targets(job.id, now=T0)
+    assert found is not None
+    assert (found[0].status, found[0].targets_done, found[1][1].result) == ("done", 2, "kept")
+
+
+# -- status changes ------------------------------------------------------------------------
+
+
+def test_cancel_wins_once(db: DB) -> None:
+    """cancel is a compare-and-set: True for the live job once, then False; bumps the lease."""
+    job = created(db)
+    at = T0 + dt.timedelta(minutes=3)
+    assert db.cancel(job.id, now=at) is True
+    assert db.cancel(job.id, now=at) is False
+    stored = job_of(db, job.id, now=at)
+    assert (stored.status, stored.updated_at, stored.expires_at) == ("cancelled", at, at + TTL)
+    assert stored.finished_at is None
+    assert db.live_batch_jobs("alice") == 0
+
+
+def test_cancel_of_an_unknown_or_terminal_job_is_false(db: DB) -> None:
+    """Rule 6 and 9: bad ids and finished jobs are a plain False, never an error."""
+    assert db.cancel("no-such-job", now=T0) is False
+    job = created(db, n=1)
+    db.write_target(job.id, 0, status="done", ttl=TTL, now=T0)
+    assert db.cancel(job.id, now=T0) is False
+    assert job_of(db, job.id).status == "done"
+    failed = created(db, n=1)
+    assert db.fail_job(failed.id, "x", now=T0)
+    assert db.cancel(failed.id, now=T0) is False
+
+
+def test_fail_job_marks_a_live_job_failed_and_finished(db: DB) -> None:
+    """fail_job is a compare-and-set that records the reason, finished_at and a fresh lease."""
+    job = created(db)
+    at = T0 + dt.timedelta(minutes=1)
+    assert db.fail_job(job.id, "worker died", now=at) is True
+    assert db.fail_job(job.id, "again", now=at) is False
+    assert db.fail_job("no-such-job", "x", now=at) is False
+    stored = job_of(db, job.id, now=at)
+    assert (stored.status, stored.error, stored.finished_at) == ("failed", "worker died", at)
+    assert stored.expires_at == at + TTL
+    cancelled = created(db)
+    assert db.cancel(cancelled.id, now=at)
+    assert db.fail_job(cancelled.id, "x", now=at) is False
+    assert job_of(db, cancelled.id).status == "cancelled"
+
+
+def test_mark_finished_closes_a_stopped_job_once(db: DB) -> None:
+    """A cancelled job whose drain stopped between targets gets finished_at exactly once."""
+    job = created(db)
+    assert db.mark_finished(job.id, now=T0) is False  # still live: the drain owns it
+    assert db.mark_finished("no-such-job", now=T0) is False
+    assert db.cancel(job.id, now=T0)
+    at = T0 + dt.timedelta(seconds=30)
+    assert db.mark_finished(job.id, now=at) is True
+    assert db.mark_finished(job.id, now=at + dt.timedelta(seconds=1)) is False
+    stored = job_of(db, job.id, now=at)
+    assert (stored.status, stored.finished_at, stored.expires_at) == ("cancelled", at, at + TTL)
+
+
+def test_mark_in_flight_failed_fails_live_jobs_and_keeps_their_targets(db: DB) -> None:
+    """Rule 8: on restart live jobs fail; stored targets stay readable, pending ones pending."""
+    started = created(db, caller="a", n=3)
+    db.write_target(started.id, 0, status="done", result="kept", ttl=TTL, now=T0)
+    fresh = created(db, caller="b", n=1)
+    done = created(db, caller="c", n=1)
+    db.write_target(done.id, 0, status="done", ttl=TTL, now=T0)
+    cancelled = created(db, caller="d", n=1)
+    assert db.cancel(cancelled.id, now=T0)
+
+    at = T0 + dt.timedelta(minutes=9)
+    assert db.mark_in_flight_failed("restart", now=at) == 2
+    assert db.live_batch_jobs_total() == 0
+    for job in (started, fresh):
+        stored = job_of(db, job.id, now=at)
+        assert (stored.status, stored.error, stored.finished_at) == ("failed", "restart", at)
+        assert stored.expires_at == at + TTL  # readable a full TTL after the restart
+    found = db.get_job_with_targets(started.id, now=at + TTL - dt.timedelta(seconds=1))
+    assert found is not None
+    assert [(t.status, t.result) for t in found[1]] == [
+        ("done", "kept"),
+        ("pending", None),
+        ("pending", None),
+    ]
+    assert found[0].targets_done == 1
+    # Terminal jobs keep their status; an unfinished cancelled one is closed.
+    assert job_of(db, done.id).status == "done"
+    assert job_of(db, done.id).error == ""
+    closed = job_of(db, cancelled.id, now=at)
+    assert (closed.status, closed.finished_at) == ("cancelled", at)
+    assert db.mark_in_flight_failed("restart", now=at) == 0
+
+
+def test_mark_in_flight_failed_uses_the_clock_when_now_is_omitted(db: DB) -> None:
+    """The restart call in an app passes no time: the wall clock must be used, aware UTC."""
+    before = dcache.utcnow()
+    job = created(db, now=before)
+    assert db.mark_in_flight_failed("restart") == 1
+    stored = db.get_job(job.id)
+    assert stored is not None
+    assert stored.finished_at is not None
+    assert stored.finished_at.tzinfo is not None
+    assert before <= stored.finished_at <= dcache.utcnow()
+
+
+def test_heartbeat_inserts_then_updates_the_owner_row(db: DB) -> None:
+    """heartbeat is an upsert: started_at stays, heartbeat_at moves; remove_owner forgets it."""
+    db.heartbeat("runner-1", now=T0)
+    db.heartbeat("runner-1", now=T0 + dt.timedelta(seconds=5))
+    with db.engine.begin() as conn:
+        rows = conn.execute(
+            select(owners.c.owner, owners.c.heartbeat_at, owners.c.started_at)
+        ).all()
+    assert [tuple(r) for r in rows] == [("runner-1", T0 + dt.timedelta(seconds=5), T0)]
+    db.remove_owner("runner-1")
+    db.remove_owner("never-seen")
+    assert sql(db, "SELECT count(*) FROM batch_owner")[0][0] == 0
+
+
+def test_reap_orphans_fails_only_jobs_of_stale_or_missing_owners(db: DB) -> None:
+    """Scale-out rule 8: a live runner's jobs are untouched; a dead runner's are failed."""
+    now = T0 + dt.timedelta(minutes=5)
+    stale_after = dt.timedelta(minutes=1)
+    db.heartbeat("alive", now=now - dt.timedelta(seconds=10))
+    db.heartbeat("stale", now=now - dt.timedelta(minutes=2))
+    mine = created(db, caller="a", owner="alive")
+    theirs = created(db, caller="b", owner="stale")
+    ghost = created(db, caller="c", owner="ghost")  # no owner row at all
+    stopped = created(db, caller="d", owner="stale")
+    assert db.cancel(stopped.id, now=T0)
+    finished = created(db, caller="e", owner="stale", n=1)
+    db.write_target(finished.id, 0, status="done", ttl=TTL, now=T0)
+
+    assert db.reap_orphans("owner lost", stale_after, now=now) == 2
+    assert job_of(db, mine.id, now=now).status == "running"
+    for job in (theirs, ghost):
+        stored = job_of(db, job.id, now=now)
+        assert (stored.status, stored.error, stored.finished_at) == ("failed", "owner lost", now)
+    assert job_of(db, stopped.id, now=now).finished_at == now
+    assert job_of(db, finished.id, now=now).status == "done"
+    owners = [r[0] for r in sql(db, "SELECT owner FROM batch_owner ORDER BY owner")]
+    assert owners == ["alive"]
+    assert db.reap_orphans("owner lost", stale_after, now=now) == 0
+
+
+def test_reap_orphans_honours_the_deadline_an_owner_declared(db: DB) -> None:
+    """A peer with a slower heartbeat (a rolling deploy) is not reaped before its own deadline."""
+    db.heartbeat("slow", now=T0, stale_after=dt.timedelta(minutes=10))
+    job = created(db, owner="slow")
+    reaper_says = dt.timedelta(minutes=1)
+    assert db.reap_orphans("owner lost", reaper_says, now=T0 + dt.timedelta(minutes=5)) == 0
+    assert job_of(db, job.id).status == "running"
+    assert [r[0] for r in sql(db, "SELECT owner FROM batch_owner")] == ["slow"]
+    late = T0 + dt.timedelta(minutes=11)
+    assert db.reap_orphans("owner lost", reaper_says, now=late) == 1
+    assert job_of(db, job.id, now=late).status == "failed"
+    assert sql(db, "SELECT count(*) FROM batch_owner")[0][0] == 0
+
+
+def test_purge_deletes_only_lapsed_jobs_that_are_not_live(db: DB) -> None:
+    """Purge frees space, but a live job is never purged, whatever its expires_at says."""
+    lapsed = []
+    for caller in ("a", "b", "c"):
+        job = created(db, caller=caller, n=2)
+        assert db.cancel(job.id, now=T0)
+        lapsed.append(job)
+    done = created(db, caller="d", n=1)
+    db.write_target(done.id, 0, status="done", result="x" * 1000, ttl=TTL, now=T0)
+    lapsed.append(done)
+    running = created(db, caller="e", n=2)  # lease lapses too, but it is live
+    later = T0 + TTL
+    kept = created(db, caller="f", n=2, now=later)
+    assert db.cancel(kept.id, now=later)  # not live, lease holds
+
+    assert db.purge_expired(now=later, limit=1) == 4  # four batches of one
+    for job in lapsed:
+        assert sql(db, "SELECT count(*) FROM batch_job WHERE id = :j", j=job.id)[0][0] == 0
+        assert target_count(db, job.id) == 0
+    assert job_of(db, running.id, now=later).status == "running"
+    assert target_count(db, running.id) == 2
+    assert job_of(db, kept.id, now=later).status == "cancelled"
+    assert target_count(db, kept.id) == 2
+    assert db.purge_expired(now=later, limit=1) == 0
+
+
+def test_purge_stops_after_max_batches(db: DB) -> None:
+    """Purge is bounded: each call does at most max_batches batches of limit jobs."""
+    for caller in "abcde":
+        assert db.fail_job(created(db, caller=caller).id, "x", now=T0)
+    later = T0 + TTL
+    assert db.purge_expired(now=later, limit=2, max_batches=1) == 2
+    assert db.purge_expired(now=later, limit=2, max_batches=1) == 2
+    assert db.purge_expired(now=later, limit=2, max_batches=1) == 1
+    assert db.purge_expired(now=later, limit=2) == 0
+    assert sql(db, "SELECT count(*) FROM batch_target")[0][0] == 0
+
+
+# -- reads ---------------------------------------------------------------------------------
+
+
+def test_reads_hide_a_lapsed_job(db: DB) -> None:
+    """Rule: a job whose lease lapsed is invisible to every read, before any purge."""
+    job = created(db)
+    assert db.cancel(job.id, now=T0)
+    edge = T0 + TTL - dt.timedelta(microseconds=1)
+    assert db.get_job(job.id, now=edge) is not None
+    assert db.get_job_with_targets(job.id, now=edge) is not None
+    assert [j.id for j in db.list_jobs(now=edge)] == [job.id]
+    assert db.batch_job_by_idem("alice", job.idem_key, now=edge) is not None
+    lapsed = T0 + TTL
+    assert db.get_job(job.id, now=lapsed) is None
+    assert db.get_job_with_targets(job.id, now=lapsed) is None
+    assert db.list_jobs(now=lapsed) == []
+    assert db.batch_job_by_idem("alice", job.idem_key, now=lapsed) is None
+
+
+def test_reads_always_show_a_live_job(db: DB) -> None:
+    """A running job whose expires_at passed is still visible: live jobs are never hidden."""
+    job = created(db, n=2)
+    far = T0 + 50 * TTL
+    assert job_of(db, job.id, now=far).status == "running"
+    found = db.get_job_with_targets(job.id, now=far)
+    assert found is not None
+    assert len(found[1]) == 2
+    assert [j.id for j in db.list_jobs(now=far)] == [job.id]
+
+
+def test_reads_of_an_unknown_job_are_none(db: DB) -> None:
+    """Rule 9: a bad id is None, not an error."""
+    assert db.get_job("missing", now=T0) is None
+    assert db.get_job_with_targets("missing", now=T0) is None
+    assert db.batch_job_by_idem("nobody", idem("x"), now=T0) is None
+
+
+def test_list_jobs_filters_by_caller_and_liveness_newest_first(db: DB) -> None:
+    """list_jobs is the admin view: newest first, optional caller and live-only filters, limit."""
+    a1 = created(db, caller="a", now=T0)
+    b1 = created(db, caller="b", now=T0 + dt.timedelta(seconds=1))
+    a2 = created(db, caller="a", now=T0 + dt.timedelta(seconds=2))
+    assert db.cancel(a1.id, now=T0 + dt.timedelta(seconds=3))
+    at = T0 + dt.timedelta(seconds=4)
+    assert [j.id for j in db.list_jobs(now=at)] == [a2.id, b1.id, a1.id]
+    assert [j.id for j in db.list_jobs(caller="a", now=at)] == [a2.id, a1.id]
+    assert [j.id for j in db.list_jobs(live_only=True, now=at)] == [a2.id, b1.id]
+    assert [j.id for j in db.list_jobs(caller="a", live_only=True, now=at)] == [a2.id]
+    assert [j.id for j in db.list_jobs(limit=1, now=at)] == [a2.id]
+    assert db.list_jobs(caller="nobody", now=at) == []
+
+
+def test_live_counts_and_idem_lookup(db: DB) -> None:
+    """The seed's lookups: live counts by status only, idem lookup by (caller, key)."""
+    a = created(db, caller="a")
+    created(db, caller="a")
+    created(db, caller="b")
+    assert db.cancel(a.id, now=T0)
+    assert db.live_batch_jobs("a") == 1
+    assert db.live_batch_jobs("b") == 1
+    assert db.live_batch_jobs("c") == 0
+    assert db.live_batch_jobs_total() == 2
+    found = db.batch_job_by_idem("a", a.idem_key, now=T0)
+    assert found is not None
+    assert (found.id, found.status) == (a.id, "cancelled")
+    assert db.batch_job_by_idem("b", a.idem_key, now=T0) is None
+
+
+# -- values: big results, unicode, time ----------------------------------------------------
+
+
+def test_an_8_mib_unicode_result_round_trips(db: DB) -> None:
+    """Fetched pages are megabytes of any script: the result column must hold 8 MiB exactly."""
+    unit = "aé漢😀\n"  # 1 + 2 + 3 + 4 + 1 bytes in UTF-8
+    big = unit * (8 * MiB // len(unit.encode()) + 1)
+    assert len(big.encode()) >= 8 * MiB
+    job = created(db, n=1)
+    url = "https://例え.jp/ü?q=😀"
+    other = created(db, caller="ü-😀", n=1)
+    out = db.write_target(job.id, 0, status="done", result=big, ttl=TTL, now=T0)
+    assert out.stored
+    db.write_target(other.id, 0, status="failed", error="ошибка 😀", hint="ヒント", ttl=TTL, now=T0)
+    found = db.get_job_with_targets(job.id, now=T0)
+    assert found is not None
+    assert found[1][0].result == big
+    assert found[0].status == "done"
+    theirs = db.get_job_with_targets(other.id, now=T0)
+    assert theirs is not None
+    assert theirs[0].caller == "ü-😀"
+    assert (theirs[1][0].error, theirs[1][0].hint) == ("ошибка 😀", "ヒント")
+    unicode_job = db.submit(
+        job_id=uuid.uuid4().hex,
+        caller="alice",
+        caller_class="user",
+        idem_key=idem("u"),
+        targets=[NewTarget(url, '{"question":"¿qué?"}')],
+        ttl=TTL,
+        jobs_per_caller=8,
+        jobs_total=8,
+        now=T0,
+    )
+    assert unicode_job.job is not None
+    read = db.get_job_with_targets(unicode_job.job.id, now=T0)
+    assert read is not None
+    assert (read[1][0].url, read[1][0].options) == (url, '{"question":"¿qué?"}')
+
+
+def test_timestamps_round_trip_as_aware_utc_with_microseconds(db: DB) -> None:
+    """Leases are compared to the microsecond; a lost fraction or zone would move them."""
+    at = dt.datetime(2031, 6, 15, 12, 34, 56, 789012, tzinfo=UTC)
+    ttl = dt.timedelta(seconds=90)
+    job = created(db, n=2, now=at, ttl=ttl)
+    wrote = at + dt.timedelta(microseconds=1)
+    db.write_target(job.id, 0, status="done", ttl=ttl, now=wrote)
+    found = db.get_job_with_targets(job.id, now=at)
+    assert found is not None
+    stored, targets = found
+    for value in (stored.created_at, stored.updated_at, stored.expires_at, targets[0].updated_at):
+        assert value is not None
+        assert value.tzinfo is not None
+        assert value.utcoffset() == dt.timedelta(0)
+    assert stored.created_at == at
+    assert stored.updated_at == wrote
+    assert stored.expires_at == wrote + ttl
+    assert targets[0].updated_at == wrote
+
+
+def test_the_job_ttl_round_trips_exactly(db: DB) -> None:
+    """Status changes re-lease with the stored ttl: a rounded ttl would move every expiry."""
+    for ttl in (
+        dt.timedelta(hours=24),
+        dt.timedelta(days=14, seconds=7),  # more digits than a single-precision float holds
+        dt.timedelta(seconds=90, microseconds=123457),
+        dt.timedelta(days=40, seconds=789),
+    ):
+        job = created(db, ttl=ttl)
+        assert job_of(db, job.id).ttl == ttl
+        at = T0 + dt.timedelta(minutes=1)
+        assert db.cancel(job.id, now=at)
+        assert job_of(db, job.id, now=at).expires_at == at + ttl
+
+
+def test_an_aware_non_utc_time_is_stored_as_the_same_instant(db: DB) -> None:
+    """A caller in another zone gets the same instant back, expressed in UTC."""
+    zone = dt.timezone(dt.timedelta(hours=5, minutes=30))
+    at = dt.datetime(2030, 1, 1, 5, 30, 0, 250000, tzinfo=zone)
+    job = created(db, now=at)
+    stored = job_of(db, job.id, now=at)
+    assert stored.created_at == at
+    assert stored.created_at.utcoffset() == dt.timedelta(0)
+    assert stored.created_at.replace(tzinfo=None) == dt.datetime(2030, 1, 1, 0, 0, 0, 250000)
+
+
+def test_a_naive_datetime_is_rejected(db: DB) -> None:
+    """Naive times are ambiguous (local or UTC?): every time-taking method refuses them."""
+    naive = dt.datetime(2030, 1, 1)
+    job = created(db)
+    with pytest.raises(ValueError):
+        submit(db, now=naive)
+    calls = [
+        lambda: db.get_job(job.id, now=naive),
+        lambda: db.get_job_with_targets(job.id, now=naive),
+        lambda: db.list_jobs(now=naive),
+        lambda: db.batch_job_by_idem("alice", job.idem_key, now=naive),
+        lambda: db.write_target(job.id, 0, status="done", ttl=TTL, now=naive),
+        lambda: db.cancel(job.id, now=naive),
+        lambda: db.fail_job(job.id, "x", now=naive),
+        lambda: db.mark_finished(job.id, now=naive),
+        lambda: db.mark_in_flight_failed("x", now=naive),
+        lambda: db.heartbeat("o", now=naive),
+        lambda: db.reap_orphans("x", dt.timedelta(minutes=1), now=naive),
+        lambda: db.purge_expired(now=naive),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError):
+            call()
+    stored = job_of(db, job.id)
+    assert (stored.status, stored.targets_done) == ("running", 0)
+    assert db.live_batch_jobs_total() == 1
+
+
+# -- errors --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql+psycopg://postgres@127.0.0.1:1/nothing",
+        "mysql+pymysql://root@127.0.0.1:1/nothing",
+    ],
+)
+def test_an_unreachable_server_is_a_store_unavailable_error(url: str) -> None:
+    """No sqlalchemy.exc type crosses the API: a dead server is dcache's own, retryable error."""
+    with pytest.raises(dcache.StoreError) as info:
+        DB.open(url)
+    assert isinstance(info.value, dcache.StoreUnavailableError)
+    assert not isinstance(info.value, sa_exc.SQLAlchemyError)
+    assert isinstance(info.value.__cause__, sa_exc.SQLAlchemyError)
+    assert dcache.is_transient(info.value.__cause__)
+
+
+def test_an_unopenable_sqlite_file_is_a_store_error(tmp_path: Path) -> None:
+    """A bad path is a permanent StoreError (not a retry), with the cause chained."""
+    with pytest.raises(dcache.StoreError) as info:
+        DB.open(f"sqlite:///{tmp_path / 'missing-dir' / 'x.sqlite3'}")
+    assert not isinstance(info.value, sa_exc.SQLAlchemyError)
+    assert isinstance(info.value.__cause__, sa_exc.SQLAlchemyError)
+
+
+def test_store_unavailable_is_a_store_error() -> None:
+    """Callers that catch StoreError also catch the transient kind."""
+    assert issubclass(dcache.StoreUnavailableError, dcache.StoreError)
+    assert issubclass(dcache.SchemaVersionError, dcache.StoreError)
+    assert not issubclass(dcache.StoreError, sa_exc.SQLAlchemyError)
+
+
+def test_open_rejects_an_unknown_synchronous_mode(tmp_path: Path) -> None:
+    """A typo in the durability setting must not silently fall back to something weaker."""
+    with pytest.raises(ValueError):
+        DB.open(f"sqlite:///{tmp_path / 'x.sqlite3'}", synchronous="sometimes")
+
+
+def test_the_store_is_a_context_manager_and_close_is_idempotent(tmp_path: Path) -> None:
+    """Scripts use `with DB.open(...)`; closing twice must be harmless."""
+    with DB.open(f"sqlite:///{tmp_path / 'ctx.sqlite3'}") as db:
+        created(db)
+        assert "ctx.sqlite3" in repr(db)
+    db.close()
+
+
+# -- query plans ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def captured(db: DB) -> Iterator[list[tuple[str, Any]]]:
+    """The SELECT statements the store sends to the database, with their parameters."""
+    seen: list[tuple[str, Any]] = []
+
+    def record(
+        conn: Any, cursor: Any, statement: str, params: Any, context: Any, executemany: bool
+    ) -> None:
+        if statement.lstrip().upper().startswith("SELECT"):
+            seen.append((statement, params))
+
+    event.listen(db.engine, "before_cursor_execute", record)
+    yield seen
+    event.remove(db.engine, "before_cursor_execute", record)
+
+
+LOOKUPS = {
+    "live_batch_jobs": "ix_batch_job_caller_status",
+    "live_batch_jobs_total": "ix_batch_job_status",
+    "batch_job_by_idem": "ix_batch_job_idem",
+}
+
+
+def test_the_submit_lookups_use_an_index(db: DB, captured: list[tuple[str, Any]]) -> None:
+    """The submit transaction runs these under the global lock: a table scan would serialise."""
+    for caller in ("a", "b", "c"):
+        job = created(db, caller=caller)
+        db.cancel(job.id, now=T0)
+        created(db, caller=caller)
+    for lookup, index in LOOKUPS.items():
+        captured.clear()
+        if lookup == "live_batch_jobs":
+            db.live_batch_jobs("a")
+        elif lookup == "live_batch_jobs_total":
+            db.live_batch_jobs_total()
+        else:
+            db.batch_job_by_idem("a", idem("a", "x"), now=T0)
+        assert len(captured) == 1
+        assert_index_used(db, *captured[0], index)
+
+
+def assert_index_used(db: DB, statement: str, params: Any, index: str) -> None:
+    """EXPLAIN the statement as the store sent it and insist an index serves it."""
+    with db.engine.begin() as conn:
+        if db.dialect == "sqlite":
+            plan = [r[-1] for r in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + statement, params)]
+            assert any(index in step for step in plan), plan
+            assert not any(step.startswith("SCAN batch_job") for step in plan), plan
+        elif db.dialect == "postgresql":
+            conn.exec_driver_sql("SET LOCAL enable_seqscan = off")
+            plan = [r[0] for r in conn.exec_driver_sql("EXPLAIN " + statement, params)]
+            assert any("Index" in step and "ix_batch_job_" in step for step in plan), plan
+            assert not any("Seq Scan" in step for step in plan), plan
+        else:
+            rows = conn.exec_driver_sql("EXPLAIN " + statement, params).mappings().all()
+            assert all(r["key"] and r["type"] != "ALL" for r in rows), rows
