@@ -47,6 +47,7 @@ __all__ = ["Fetch", "Runner", "new_job_id"]
 Fetch = Callable[[Target], Result]
 
 _ORPHAN_BEATS = 3  # an owner is dead after this many missed heartbeats
+MAX_MESSAGE_LENGTH = 8192  # a stored error or hint, in characters
 _MAX_ID = 64
 
 
@@ -152,6 +153,7 @@ class Runner:
         self._next_purge = 0.0
         self._stale_after = self._config.heartbeat * _ORPHAN_BEATS
         self._purging = False
+        self._purge_thread: threading.Thread | None = None
         self._db.heartbeat(self.owner, now=self._clock(), stale_after=self._stale_after)
         self._reap()
         self._beat_thread = threading.Thread(
@@ -339,7 +341,11 @@ class Runner:
         try:
             res = self._fetch(target)
         except FetchError as exc:
-            return {"status": "failed", "error": str(exc.message), "hint": str(exc.hint)}
+            return {
+                "status": "failed",
+                "error": _storable(exc.message),
+                "hint": _storable(exc.hint),
+            }
         except BaseException as exc:  # SystemExit included: a fetch never kills the drain
             self._log.critical(
                 "fetch crashed on job %s target %d (%s)",
@@ -349,7 +355,7 @@ class Runner:
                 exc_info=True,
                 extra={"job_id": job_id},
             )
-            return {"status": "failed", "error": _describe(exc)}
+            return {"status": "failed", "error": _storable(_describe(exc))}
         if not isinstance(res, Result):
             return {
                 "status": "failed",
@@ -364,7 +370,10 @@ class Runner:
             payload = json.dumps(res.to_json(), ensure_ascii=False, allow_nan=False)
             size = len(payload.encode("utf-8"))
         except (TypeError, ValueError, RecursionError) as exc:
-            return {"status": "failed", "error": f"{_describe(exc)} (result not storable)"}
+            return {
+                "status": "failed",
+                "error": _storable(f"{_describe(exc)} (result not storable)"),
+            }
         if size > self._config.max_result_bytes:
             return {
                 "status": "failed",
@@ -471,6 +480,11 @@ class Runner:
         self, *, caller: str | None = None, live_only: bool = False, limit: int = 100
     ) -> list[Job]:
         """Visible jobs, newest first; optionally one caller's, optionally only live ones."""
+        if caller is not None:
+            try:
+                check_text(caller, "caller", limit=MAX_CALLER_LENGTH)
+            except ValueError:
+                return []  # no job can belong to a caller that submit would refuse
         rows = self._db.list_jobs(
             caller=caller, live_only=live_only, limit=limit, now=self._clock()
         )
@@ -508,8 +522,10 @@ class Runner:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             drain = self._drains.get(job_id)
-        if drain is not None and not drain.done.wait(timeout):
-            raise TimeoutError(f"job {job_id} did not finish within {timeout} s")
+        if drain is not None:
+            if not drain.done.wait(timeout):
+                raise TimeoutError(f"job {job_id} did not finish within {timeout} s")
+            _join(drain.thread, deadline)
         delay = 0.01
         pause = threading.Event()  # never set: an interruptible, Event-based sleep
         while True:
@@ -560,7 +576,9 @@ class Runner:
                 return
             self._purging = True
             self._next_purge = mono + self._config.purge_interval.total_seconds()
-        threading.Thread(target=self._purge, name="batch-purge", daemon=True).start()
+        thread = threading.Thread(target=self._purge, name="batch-purge", daemon=True)
+        self._purge_thread = thread
+        thread.start()
 
     def _purge(self) -> None:
         try:
@@ -604,9 +622,12 @@ class Runner:
                     self._db.fail_job(d.job_id, "shutdown", now=self._clock())
                 except StoreError:
                     self._log.error("could not mark job %s failed", d.job_id, exc_info=True)
+        for d in drains:
+            if d.done.is_set():
+                _join(d.thread, None)
         self._stopping.set()
-        if self._beat_thread.is_alive() and threading.current_thread() is not self._beat_thread:
-            self._beat_thread.join(timeout=5)
+        _join(self._beat_thread, time.monotonic() + 5)
+        _join(self._purge_thread, time.monotonic() + 5)
         self._retry_abandoned()
         try:
             if not any(d.thread is not None and d.thread.is_alive() for d in left):
@@ -626,7 +647,35 @@ class Runner:
         return f"<batch.Runner owner={self.owner[:8]} live={n} closed={self._closed}>"
 
 
+def _join(thread: threading.Thread | None, deadline: float | None) -> None:
+    """Join a thread (not the caller's own) by a monotonic deadline."""
+    if thread is None or thread is threading.current_thread() or thread.ident is None:
+        return
+    thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+
 def _describe(exc: BaseException) -> str:
-    text = str(exc)
+    """``"TypeName: message"``, even for an exception whose ``str()`` itself fails."""
     name = type(exc).__name__
+    try:
+        text = str(exc)
+    except BaseException:
+        text = "<unprintable>"
     return f"{name}: {text}" if text else name
+
+
+def _storable(text: object, limit: int = MAX_MESSAGE_LENGTH) -> str:
+    """Make untrusted text (an exception's message, a hint) safe for every backend.
+
+    NUL characters (PostgreSQL text cannot hold them) and lone surrogates (not UTF-8)
+    are escaped, and the length is capped so it fits any text column.
+    """
+    try:
+        s = text if isinstance(text, str) else str(text)
+    except BaseException:
+        s = "<unprintable>"
+    s = s.replace("\x00", "\\x00")
+    s = s.encode("utf-8", "backslashreplace").decode("utf-8")
+    if len(s) > limit:
+        s = s[: limit - 14] + " [truncated]"
+    return s

@@ -34,7 +34,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import QueuePool
 
-from ._errors import SchemaVersionError, StoreError, wrap_errors
+from ._errors import SchemaVersionError, StoreError, is_sqlite_busy, wrap_errors
 from ._rows import JobRow, NewTarget, SubmitOutcome, TargetRow, WriteOutcome
 from ._schema import (
     GLOBAL_LOCK,
@@ -63,6 +63,22 @@ _US = dt.timedelta(microseconds=1)
 def utcnow() -> dt.datetime:
     """The library's default clock: aware UTC wall time."""
     return dt.datetime.now(dt.timezone.utc)
+
+
+def _findable(*keys: object) -> bool:
+    """Whether keys could name a stored row: strings every backend can compare.
+
+    A NUL (PostgreSQL refuses it) or a lone surrogate (not UTF-8) can be in no key the
+    store wrote, so lookups answer "not found" without asking the database.
+    """
+    for key in keys:
+        if not isinstance(key, str) or "\x00" in key:
+            return False
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+    return True
 
 
 def _now(now: dt.datetime | None) -> dt.datetime:
@@ -98,7 +114,7 @@ def _install_sqlite_hooks(engine: Engine, *, synchronous: str, busy_timeout: flo
                 # "database is locked" at once, without the busy handler, while another
                 # process opens the same new file: retry it like any lock wait.
                 for attempt in stamina.retry_context(
-                    on=sqlite3.OperationalError,
+                    on=is_sqlite_busy,
                     attempts=None,
                     timeout=busy_timeout,
                     wait_initial=0.01,
@@ -525,6 +541,8 @@ class DB:
         self, caller: str, idem_key: str, now: dt.datetime | None = None
     ) -> JobRow | None:
         """The job for ``(caller, idem_key)`` whose lease has not lapsed, if any."""
+        if not _findable(caller, idem_key):
+            return None
         now = _now(now)
         with self._read() as conn:
             return self._by_idem(conn, caller, idem_key, now)
@@ -532,6 +550,8 @@ class DB:
     @wrap_errors
     def live_batch_jobs(self, caller: str) -> int:
         """How many ``queued``/``running`` jobs the caller has (by status, not lease)."""
+        if not _findable(caller):
+            return 0
         with self._read() as conn:
             return self._count_live(conn, caller)
 
@@ -546,6 +566,8 @@ class DB:
     @wrap_errors
     def get_job(self, job_id: str, now: dt.datetime | None = None) -> JobRow | None:
         """The job, or ``None`` when unknown or its lease has lapsed."""
+        if not _findable(job_id):
+            return None
         now = _now(now)
         with self._read() as conn:
             row = conn.execute(select(*_JOB_COLS).where(jobs.c.id == job_id, _visible(now))).first()
@@ -559,6 +581,8 @@ class DB:
 
         ``None`` when the job is unknown or its lease has lapsed.
         """
+        if not _findable(job_id):
+            return None
         now = _now(now)
         q = (
             select(*_JOB_COLS, *_TARGET_COLS)
@@ -597,6 +621,8 @@ class DB:
         now: dt.datetime | None = None,
     ) -> list[JobRow]:
         """Visible jobs, newest first, optionally one caller's and/or only live ones."""
+        if caller is not None and not _findable(caller):
+            return []
         now = _now(now)
         q = select(*_JOB_COLS).where(_visible(now))
         if caller is not None:
@@ -659,6 +685,8 @@ class DB:
     @wrap_errors
     def cancel(self, job_id: str, now: dt.datetime | None = None) -> bool:
         """Flip a live job to ``cancelled``; False if unknown or already terminal."""
+        if not _findable(job_id):
+            return False
         now = _now(now)
         with self._write() as conn:
             ttl = self._ttl_of(conn, job_id)
@@ -674,6 +702,8 @@ class DB:
     @wrap_errors
     def fail_job(self, job_id: str, reason: str, now: dt.datetime | None = None) -> bool:
         """Mark a live job failed with ``error=reason`` and finished; False if not live."""
+        if not _findable(job_id):
+            return False
         now = _now(now)
         with self._write() as conn:
             ttl = self._ttl_of(conn, job_id)
@@ -716,6 +746,8 @@ class DB:
     @wrap_errors
     def mark_finished(self, job_id: str, now: dt.datetime | None = None) -> bool:
         """Record that a stopped (non-live) job's drain has ended; False if nothing to do."""
+        if not _findable(job_id):
+            return False
         now = _now(now)
         with self._write() as conn:
             ttl = self._ttl_of(conn, job_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sqlite3
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
@@ -17,8 +18,9 @@ R = TypeVar("R")
 # server gone away / lost connection, too many connections, server shutting down.
 _MYSQL_TRANSIENT = frozenset({1205, 1213, 2002, 2003, 2006, 2013, 1040, 1053, 2055, 4031})
 # PostgreSQL SQLSTATE classes that mean "try again": serialization failure, deadlock,
-# connection exceptions, operator intervention (admin shutdown), insufficient resources.
-_PG_TRANSIENT_PREFIXES = ("40001", "40P01", "08", "57P", "53")
+# lock not available (lock_timeout), connection exceptions, operator intervention (admin
+# shutdown), insufficient resources.
+_PG_TRANSIENT_PREFIXES = ("40001", "40P01", "55P03", "08", "57P", "53")
 
 
 class StoreError(Exception):
@@ -39,17 +41,25 @@ def is_transient(exc: BaseException) -> bool:
         if exc.connection_invalidated:
             return True
         orig = exc.orig
+        args = getattr(orig, "args", ())
+        # MySQL first: PyMySQL sets a generic sqlstate (HY000) on server errors, so the
+        # error number is what tells a lock wait timeout from a syntax error.
+        if args and isinstance(args[0], int):
+            return args[0] in _MYSQL_TRANSIENT
         sqlstate = getattr(orig, "sqlstate", None)
         if isinstance(sqlstate, str):
             return sqlstate.startswith(_PG_TRANSIENT_PREFIXES)
-        args = getattr(orig, "args", ())
-        if args and isinstance(args[0], int):
-            return args[0] in _MYSQL_TRANSIENT
-        text = str(orig).lower()
-        if "database is locked" in text or "database table is locked" in text:
-            return True
-        return isinstance(exc, sa_exc.OperationalError) and "unable to open" not in text
+        if isinstance(orig, sqlite3.Error):
+            # SQLite: only lock contention passes; a syntax error or a read-only file stays.
+            return is_sqlite_busy(orig)
+        return isinstance(exc, sa_exc.OperationalError)
     return isinstance(exc, sa_exc.TimeoutError)  # pool checkout timed out
+
+
+def is_sqlite_busy(exc: BaseException) -> bool:
+    """Whether a ``sqlite3`` error is lock contention (SQLITE_BUSY / SQLITE_LOCKED)."""
+    text = str(exc).lower()
+    return isinstance(exc, sqlite3.OperationalError) and ("locked" in text or "busy" in text)
 
 
 def translate(exc: sa_exc.SQLAlchemyError) -> StoreError:

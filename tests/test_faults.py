@@ -460,11 +460,6 @@ def test_server_syntax_errors_are_permanent(postgres_url: str, mariadb_url: str)
             eng.dispose()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: dcache/_errors.py:51 calls every SQLite OperationalError transient except "
-    "'unable to open', so a syntax error or a read-only database is retried as an outage",
-)
 def test_sqlite_errors_no_retry_can_fix_are_permanent(tmp_path: Path) -> None:
     """A read-only file or bad SQL must surface as StoreError now, not after a retry budget."""
     path = tmp_path / "ro.sqlite3"
@@ -568,12 +563,6 @@ def postgres_url(tmp_path: Path) -> str:
     return backend_url("postgresql", tmp_path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: dcache/_errors.py:42-44 returns on any string `sqlstate` before looking at "
-    "MySQL error numbers; PyMySQL >= 1.1 sets sqlstate on server errors ('HY000' for 1205 "
-    "and 4031), so lock wait timeouts are classed permanent",
-)
 def test_mariadb_lock_wait_timeout_1205_is_transient(mariadb_url: str) -> None:
     """A lock wait that timed out (1205) asks for a retry; it says nothing about the data."""
     with two_connections(mariadb_url) as (a, b):
@@ -588,12 +577,6 @@ def test_mariadb_lock_wait_timeout_1205_is_transient(mariadb_url: str) -> None:
         assert dcache.is_transient(info.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: dcache/_errors.py:42-44 returns on any string `sqlstate` before looking at "
-    "MySQL error numbers; PyMySQL >= 1.1 sets sqlstate on server errors ('HY000' for 1205 "
-    "and 4031), so lock wait timeouts are classed permanent",
-)
 def test_mariadb_submit_stuck_behind_a_lock_raises_store_unavailable(mariadb_url: str) -> None:
     """Through the public API, a lock wait timeout surfaces as the retryable error (503)."""
     db = dcache.DB.open(
@@ -648,11 +631,11 @@ def test_postgresql_serialization_failure_40001_is_transient(postgres_url: str) 
     assert dcache.is_transient(info.value)
 
 
-def test_postgresql_lock_timeout_55p03_is_permanent_as_errors_py_says(postgres_url: str) -> None:
-    """The store sets no lock_timeout; one an operator sets (55P03) is not retried.
+def test_postgresql_lock_timeout_55p03_is_transient_like_mariadb_1205(postgres_url: str) -> None:
+    """A lock wait that an operator's lock_timeout cut short (55P03) is worth a retry.
 
-    ``_errors.py`` retries PostgreSQL's classes 40001, 40P01, 08, 57P and 53 only, so
-    ``lock_not_available`` surfaces as a plain StoreError at once.
+    It is the same event as MariaDB's lock wait timeout (1205) and SQLite's busy timeout,
+    which are retried too; treating them alike keeps behaviour the same on every backend.
     """
     with two_connections(postgres_url) as (a, b):
         a.begin()
@@ -663,9 +646,9 @@ def test_postgresql_lock_timeout_55p03_is_permanent_as_errors_py_says(postgres_u
         with pytest.raises(sa_exc.OperationalError) as info:
             lock_row(b, "fault-x")
     assert info.value.orig.sqlstate == "55P03"
-    assert not dcache.is_transient(info.value)
+    assert dcache.is_transient(info.value)
     translated = dcache._errors.translate(info.value)
-    assert type(translated) is dcache.StoreError
+    assert type(translated) is dcache.StoreUnavailableError
 
 
 def test_a_session_killed_by_the_server_is_transient(postgres_url: str, mariadb_url: str) -> None:

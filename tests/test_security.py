@@ -466,12 +466,6 @@ def test_callers_differing_only_by_trailing_spaces_are_different_callers(db: dca
         r.close(timeout=WAIT)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: Runner.jobs (batch/_runner.py) passes caller to the store unchecked; "
-    "a lone surrogate raises UnicodeEncodeError on every backend and a NUL raises "
-    "StoreError on PostgreSQL, where an unknown caller should list nothing",
-)
 def test_listing_the_jobs_of_a_hostile_caller_lists_nothing(runner: batch.Runner) -> None:
     """No job can belong to a caller submit would refuse: listing one must return []."""
     job_id, _ = runner.submit("alice", "user", [Target("https://e.example/l")])
@@ -481,12 +475,6 @@ def test_listing_the_jobs_of_a_hostile_caller_lists_nothing(runner: batch.Runner
         assert all(j.caller == h for j in got), hid(h)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: dcache.DB lookups by id (get_job, get_job_with_targets, cancel, fail_job, "
-    "mark_finished) let UnicodeEncodeError escape for a lone surrogate on every backend "
-    "and raise StoreError for a NUL on PostgreSQL; only the Runner screens ids",
-)
 def test_store_lookups_with_hostile_ids_answer_unknown(db: dcache.DB) -> None:
     """The store is public API too: an id no job can have is unknown, not an error."""
     for h in HOSTILE:
