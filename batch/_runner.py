@@ -388,7 +388,20 @@ class Runner:
         """Write one target, retrying through outages; the fetch is never repeated."""
         extra = {"job_id": job_id}
         budget = self._config.write_retry.total_seconds()
+        ttl = self._config.ttl
         try:
+            try:
+                # The common case pays for no retry machinery.
+                return writer.write_target(job_id, idx, ttl=ttl, now=self._clock(), **fields)
+            except StoreUnavailableError:
+                self._log.warning(
+                    "storing job %s target %d failed; retrying for up to %.0f s",
+                    job_id,
+                    idx,
+                    budget,
+                    exc_info=True,
+                    extra=extra,
+                )
             for attempt in stamina.retry_context(
                 on=StoreUnavailableError,
                 attempts=None,
@@ -397,9 +410,7 @@ class Runner:
                 wait_max=2.0,
             ):
                 with attempt:
-                    return writer.write_target(
-                        job_id, idx, ttl=self._config.ttl, now=self._clock(), **fields
-                    )
+                    return writer.write_target(job_id, idx, ttl=ttl, now=self._clock(), **fields)
         except StoreUnavailableError:
             self._log.critical(
                 "gave up storing job %s target %d after %.0f s of outage",
@@ -425,7 +436,7 @@ class Runner:
                     idx,
                     {
                         "status": "failed",
-                        "error": f"StoreError: result refused: {exc}"[:2000],
+                        "error": _storable(f"StoreError: result refused: {exc}", 2000),
                     },
                 )
             self._log.critical(

@@ -18,6 +18,7 @@ import cProfile
 import gc
 import io
 import pstats
+import shutil
 import statistics
 import tempfile
 import time
@@ -121,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for impl in impls.values():
             impl.close()
+        shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy.engine import make_url
+
 from bench import _report
 from bench._env import (
     BACKENDS,
@@ -135,7 +137,8 @@ def plan(
         if be.server:
             why = reachable(be.kind, urls[b])
             if why is not None:
-                notes.append(f"{b} skipped: {urls[b]} does not answer ({why})")
+                shown = make_url(urls[b]).render_as_string(hide_password=True)
+                notes.append(f"{b} skipped: {shown} does not answer ({why})")
                 continue
         up.append(b)
     from bench._floors import has_writer

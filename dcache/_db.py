@@ -14,17 +14,14 @@ import stamina
 from sqlalchemy import (
     Connection,
     Engine,
-    Integer,
     Row,
     and_,
     bindparam,
-    case,
     create_engine,
     delete,
     event,
     func,
     insert,
-    literal,
     or_,
     select,
     text,
@@ -41,7 +38,6 @@ from ._schema import (
     LIVE,
     NOPAD_COLLATIONS,
     SCHEMA_VERSION,
-    UTCDateTime,
     jobs,
     locks,
     meta,
@@ -914,62 +910,39 @@ class DB:
         return gone
 
 
-# The per-target write, built once: constructing these expressions per call costs more
-# than SQLite's own work for the write.
-_W_TARGET = (
-    update(targets)
-    .where(
-        targets.c.job_id == bindparam("j"),
-        targets.c.idx == bindparam("i"),
-        targets.c.status == "pending",
-    )
-    .values(
-        status=bindparam("st"),
-        result=bindparam("res"),
-        error=bindparam("err"),
-        hint=bindparam("hint"),
-        updated_at=bindparam("now", type_=UTCDateTime),
-    )
+# The per-target write is the hot path: one transaction per fetched target. It runs as
+# fixed SQL on the held connection's DBAPI cursor, because SQLAlchemy's per-execute work
+# (cache keys, parameter processing, events) costs as much as SQLite's own work for the
+# write. The statements are the ones the schema in _schema.py implies; the store tests
+# hold them to the same behaviour as the rest of the store on every backend.
+_LAST = "status = 'running' AND targets_done + 1 >= targets_total"
+_SQL_TARGET = (
+    "UPDATE batch_target SET status = ?, result = ?, error = ?, hint = ?, updated_at = ? "
+    "WHERE job_id = ? AND idx = ? AND status = 'pending'"
 )
-_last = and_(jobs.c.status == "running", jobs.c.targets_done + 1 >= jobs.c.targets_total)
-_ended = or_(_last, jobs.c.status.not_in(LIVE))
-_new_failed = jobs.c.targets_failed + bindparam("f", type_=Integer)
 # Every right-hand side reads only old values: MySQL evaluates SET assignments left to
 # right with the new values, PostgreSQL and SQLite with the old ones; ordering the
 # assignments so that none reads a column set before it makes them agree.
-_W_JOB = (
-    update(jobs)
-    .where(jobs.c.id == bindparam("j"))
-    .ordered_values(
-        (
-            jobs.c.finished_at,
-            case(
-                (_ended, func.coalesce(jobs.c.finished_at, bindparam("now", type_=UTCDateTime))),
-                else_=jobs.c.finished_at,
-            ),
-        ),
-        (
-            jobs.c.status,
-            case(
-                (
-                    _last,
-                    case(
-                        (_new_failed == 0, literal("done")),
-                        (_new_failed >= jobs.c.targets_total, literal("failed")),
-                        else_=literal("partial"),
-                    ),
-                ),
-                else_=jobs.c.status,
-            ),
-        ),
-        (jobs.c.targets_done, jobs.c.targets_done + 1),
-        (jobs.c.targets_failed, _new_failed),
-        (jobs.c.updated_at, bindparam("now", type_=UTCDateTime)),
-        (jobs.c.expires_at, bindparam("exp", type_=UTCDateTime)),
-    )
+_SQL_JOB = (
+    "UPDATE batch_job SET "
+    f"finished_at = CASE WHEN ({_LAST}) OR status NOT IN ('queued', 'running') "
+    "THEN COALESCE(finished_at, ?) ELSE finished_at END, "
+    f"status = CASE WHEN {_LAST} THEN (CASE WHEN targets_failed + ? = 0 THEN 'done' "
+    "WHEN targets_failed + ? >= targets_total THEN 'failed' ELSE 'partial' END) "
+    "ELSE status END, "
+    "targets_done = targets_done + 1, targets_failed = targets_failed + ?, "
+    "updated_at = ?, expires_at = ? WHERE id = ?"
 )
-_W_JOB_RETURNING = _W_JOB.returning(jobs.c.status, jobs.c.finished_at)
-_W_JOB_READ = select(jobs.c.status, jobs.c.finished_at).where(jobs.c.id == bindparam("j"))
+_SQL_JOB_READ = "SELECT status, finished_at FROM batch_job WHERE id = ?"
+
+
+def _sqlite_time(value: dt.datetime) -> str:
+    """A UTC instant as SQLAlchemy's SQLite DATETIME stores it (so comparisons agree)."""
+    return value.astimezone(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")
+
+
+def _naive_utc(value: dt.datetime) -> dt.datetime:
+    return value.astimezone(dt.timezone.utc).replace(tzinfo=None)
 
 
 class Writer:
@@ -978,8 +951,19 @@ class Writer:
     def __init__(self, db: DB) -> None:
         self._db = db
         self._conn: Connection | None = None
+        self._dbapi: Any = None
+        self._cursor: Any = None
         dialect = db.engine.dialect
-        self._returning = bool(getattr(dialect, "update_returning", False))
+        self._dialect = dialect
+        self._sqlite = dialect.name == "sqlite"
+        self._returning = self._sqlite or dialect.name == "postgresql"
+        mark = "?" if dialect.paramstyle == "qmark" else "%s"
+        self._sql_target = _SQL_TARGET.replace("?", mark)
+        self._sql_job = _SQL_JOB.replace("?", mark)
+        if self._returning:
+            self._sql_job += " RETURNING status, finished_at"
+        self._sql_read = _SQL_JOB_READ.replace("?", mark)
+        self._time = _sqlite_time if self._sqlite else _naive_utc
 
     def __enter__(self) -> Writer:
         return self
@@ -990,9 +974,22 @@ class Writer:
     def close(self) -> None:
         """Give the held connection back to the pool."""
         conn, self._conn = self._conn, None
+        cursor, self._cursor, self._dbapi = self._cursor, None, None
+        if cursor is not None:
+            with contextlib.suppress(Exception):
+                cursor.close()
         if conn is not None:
             with contextlib.suppress(sa_exc.SQLAlchemyError):
                 conn.close()
+
+    def _connect(self) -> Any:
+        if self._conn is None:
+            # Connecting through the engine applies the pool, the SQLite hooks and the
+            # READ COMMITTED isolation level to the DBAPI connection.
+            self._conn = self._db._wengine.connect()
+            self._dbapi = self._conn.connection.driver_connection
+            self._cursor = self._dbapi.cursor()
+        return self._cursor
 
     @wrap_errors
     def write_target(
@@ -1011,42 +1008,61 @@ class Writer:
         if status not in ("done", "failed"):
             raise ValueError(f"a target is written done or failed, not {status!r}")
         now = _now(now)
-        if self._conn is None:
-            self._conn = self._db._wengine.connect()
-        conn = self._conn
+        at = self._time(now)
+        failed = 1 if status == "failed" else 0
+        sql = ""
         try:
-            with conn.begin():
-                won = conn.execute(
-                    _W_TARGET,
-                    {
-                        "j": job_id,
-                        "i": idx,
-                        "st": status,
-                        "res": result,
-                        "err": error,
-                        "hint": hint,
-                        "now": now,
-                    },
-                ).rowcount
-                if won != 1:
-                    st = conn.execute(_W_JOB_READ, {"j": job_id}).first()
-                    return WriteOutcome(False, st.status if st is not None else "")
-                params = {
-                    "j": job_id,
-                    "f": 1 if status == "failed" else 0,
-                    "now": now,
-                    "exp": now + ttl,
-                }
-                if self._returning:
-                    row = conn.execute(_W_JOB_RETURNING, params).one()
-                else:
-                    conn.execute(_W_JOB, params)
-                    row = conn.execute(_W_JOB_READ, params).one()
-            return WriteOutcome(True, row.status, finished=row.finished_at is not None)
-        except BaseException:
-            # The connection may be broken or mid-transaction: never reuse it.
-            self.close()
+            cur = self._connect()
+            if self._sqlite:
+                cur.execute("BEGIN IMMEDIATE")
+            sql = self._sql_target
+            cur.execute(sql, (status, result, error, hint, at, job_id, idx))
+            if cur.rowcount != 1:
+                sql = self._sql_read
+                cur.execute(sql, (job_id,))
+                row = cur.fetchone()
+                self._commit()
+                return WriteOutcome(False, row[0] if row is not None else "")
+            sql = self._sql_job
+            cur.execute(sql, (at, failed, failed, failed, at, self._time(now + ttl), job_id))
+            if not self._returning:
+                sql = self._sql_read
+                cur.execute(sql, (job_id,))
+            row = cur.fetchone()
+            self._commit()
+            return WriteOutcome(True, row[0], finished=row[1] is not None)
+        except BaseException as exc:
+            self._fail(exc, sql)
             raise
+
+    def _commit(self) -> None:
+        if self._sqlite:
+            self._cursor.execute("COMMIT")
+        else:
+            self._dbapi.commit()
+
+    def _fail(self, exc: BaseException, sql: str) -> None:
+        """Roll back, drop the connection, and re-raise a driver error as SQLAlchemy's."""
+        dbapi, conn, cursor = self._dbapi, self._conn, self._cursor
+        disconnect = False
+        base = getattr(self._dialect.loaded_dbapi, "Error", ())
+        if base and isinstance(exc, base):
+            disconnect = bool(self._dialect.is_disconnect(exc, dbapi, cursor))
+        if conn is not None and not disconnect:
+            with contextlib.suppress(Exception):
+                if self._sqlite:
+                    cursor.execute("ROLLBACK")
+                else:
+                    dbapi.rollback()
+        if conn is not None and disconnect:
+            with contextlib.suppress(Exception):
+                conn.invalidate(exc)
+        # Never reuse a connection that failed mid-write.
+        self.close()
+        if base and isinstance(exc, base):
+            raise sa_exc.DBAPIError.instance(
+                sql, None, exc, base, connection_invalidated=disconnect
+            ) from exc
 
 
 def _sqlite_begin_marker(conn: Connection) -> None:

@@ -476,21 +476,16 @@ def test_a_writer_commits_each_target_on_its_held_connection(db: DB) -> None:
 def test_a_failed_write_rolls_back_whole_and_the_writer_recovers(db: DB) -> None:
     """Target and counters move in one transaction; a failure mid-way leaves neither changed."""
     job = created(db, n=2)
-    fail_next_job_update = [True]
-
-    def fail_once(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
-        if fail_next_job_update[0] and statement.lstrip().upper().startswith("UPDATE BATCH_JOB"):
-            fail_next_job_update[0] = False
-            raise sa_exc.OperationalError(statement, {}, RuntimeError("connection lost"))
-
     with db.writer() as writer:
         assert writer.write_target(job.id, 0, status="done", ttl=TTL, now=T0).stored
-        event.listen(db.engine, "before_cursor_execute", fail_once)
+        # Make the job update (the second statement) fail once, after the target's update.
+        good_sql = writer._sql_job
+        writer._sql_job = "UPDATE no_such_table SET x = 1"
         try:
             with pytest.raises(dcache.StoreError) as info:
                 writer.write_target(job.id, 1, status="done", result="lost", ttl=TTL, now=T0)
         finally:
-            event.remove(db.engine, "before_cursor_execute", fail_once)
+            writer._sql_job = good_sql
         assert not isinstance(info.value, sa_exc.SQLAlchemyError)
         found = db.get_job_with_targets(job.id, now=T0)
         assert found is not None
