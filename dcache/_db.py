@@ -580,30 +580,57 @@ class DB:
         if not _findable(job_id):
             return None
         now = _now(now)
-        q = (
-            select(*_JOB_COLS, *_TARGET_COLS)
-            .select_from(jobs.outerjoin(targets, targets.c.job_id == jobs.c.id))
-            .where(jobs.c.id == job_id, _visible(now))
-            .order_by(targets.c.idx)
-        )
-        with self._read() as conn:
-            rows = conn.execute(q).all()
+        dialect = self._engine.dialect
+        sql = _SQL_STATUS.replace("?", "?" if dialect.paramstyle == "qmark" else "%s")
+        sqlite = dialect.name == "sqlite"
+        at = _sqlite_time(now) if sqlite else _naive_utc(now)
+        # Status polling is the hot read: one statement on the DBAPI cursor, converting
+        # only what is needed (the job's columns once, not once per target row).
+        with self._engine.connect() as conn:
+            dbapi: Any = conn.connection.driver_connection
+            cursor = dbapi.cursor()
+            try:
+                cursor.execute(sql, (job_id, at))
+                rows = cursor.fetchall()
+            except Exception as exc:
+                _reraise_dbapi(conn, exc, sql, cursor)
+                raise
+            finally:
+                cursor.close()
         if not rows:
             return None
-        job = _job_row(rows[0])
+        when = _from_sqlite if sqlite else _from_naive
+        first = rows[0]
+        job = JobRow(
+            id=first[0],
+            caller=first[1],
+            caller_class=first[2],
+            idem_key=first[3],
+            status=first[4],
+            error=first[5],
+            targets_total=int(first[6]),
+            targets_done=int(first[7]),
+            targets_failed=int(first[8]),
+            owner=first[9],
+            ttl=dt.timedelta(microseconds=int(first[10])),
+            created_at=when(first[11]),
+            updated_at=when(first[12]),
+            expires_at=when(first[13]),
+            finished_at=when(first[14]) if first[14] is not None else None,
+        )
         out = [
             TargetRow(
-                idx=r.idx,
-                url=r.url,
-                options=r.options,
-                status=r.t_status,
-                result=r.result,
-                error=r.t_error,
-                hint=r.hint,
-                updated_at=r.t_updated_at,
+                idx=int(r[15]),
+                url=r[16],
+                options=r[17],
+                status=r[18],
+                result=r[19],
+                error=r[20],
+                hint=r[21],
+                updated_at=when(r[22]) if r[22] is not None else None,
             )
             for r in rows
-            if r.idx is not None
+            if r[15] is not None
         ]
         return job, out
 
@@ -936,6 +963,43 @@ _SQL_JOB = (
 _SQL_JOB_READ = "SELECT status, finished_at FROM batch_job WHERE id = ?"
 
 
+_SQL_STATUS = (
+    "SELECT j.id, j.caller, j.caller_class, j.idem_key, j.status, j.error, j.targets_total, "
+    "j.targets_done, j.targets_failed, j.owner, j.ttl_us, j.created_at, j.updated_at, "
+    "j.expires_at, j.finished_at, t.idx, t.url, t.options, t.status, t.result, t.error, "
+    "t.hint, t.updated_at FROM batch_job j LEFT OUTER JOIN batch_target t ON t.job_id = j.id "
+    "WHERE j.id = ? AND (j.expires_at > ? OR j.status IN ('queued', 'running')) "
+    "ORDER BY t.idx"
+)
+
+
+def _from_sqlite(value: Any) -> dt.datetime:
+    if isinstance(value, dt.datetime):
+        return value.replace(tzinfo=dt.timezone.utc)
+    return dt.datetime.fromisoformat(value).replace(tzinfo=dt.timezone.utc)
+
+
+def _from_naive(value: Any) -> dt.datetime:
+    assert isinstance(value, dt.datetime)
+    return value.replace(tzinfo=dt.timezone.utc)
+
+
+def _reraise_dbapi(conn: Connection, exc: BaseException, sql: str, cursor: Any) -> None:
+    """Raise a DBAPI error as SQLAlchemy's (invalidating a dead connection); else return."""
+    dialect = conn.dialect
+    base = getattr(dialect.loaded_dbapi, "Error", ())
+    if not (base and isinstance(exc, base)):
+        return
+    dbapi = conn.connection.driver_connection
+    disconnect = bool(dialect.is_disconnect(exc, dbapi, cursor))
+    if disconnect:
+        with contextlib.suppress(Exception):
+            conn.invalidate(exc)
+    raise sa_exc.DBAPIError.instance(
+        sql, None, exc, base, connection_invalidated=disconnect
+    ) from exc
+
+
 def _sqlite_time(value: dt.datetime) -> str:
     """A UTC instant as SQLAlchemy's SQLite DATETIME stores it (so comparisons agree)."""
     return value.astimezone(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")
@@ -1043,26 +1107,19 @@ class Writer:
 
     def _fail(self, exc: BaseException, sql: str) -> None:
         """Roll back, drop the connection, and re-raise a driver error as SQLAlchemy's."""
-        dbapi, conn, cursor = self._dbapi, self._conn, self._cursor
-        disconnect = False
-        base = getattr(self._dialect.loaded_dbapi, "Error", ())
-        if base and isinstance(exc, base):
-            disconnect = bool(self._dialect.is_disconnect(exc, dbapi, cursor))
-        if conn is not None and not disconnect:
+        conn, cursor = self._conn, self._cursor
+        if conn is not None:
             with contextlib.suppress(Exception):
                 if self._sqlite:
                     cursor.execute("ROLLBACK")
                 else:
-                    dbapi.rollback()
-        if conn is not None and disconnect:
-            with contextlib.suppress(Exception):
-                conn.invalidate(exc)
-        # Never reuse a connection that failed mid-write.
-        self.close()
-        if base and isinstance(exc, base):
-            raise sa_exc.DBAPIError.instance(
-                sql, None, exc, base, connection_invalidated=disconnect
-            ) from exc
+                    self._dbapi.rollback()
+        try:
+            if conn is not None:
+                _reraise_dbapi(conn, exc, sql, cursor)
+        finally:
+            # Never reuse a connection that failed mid-write.
+            self.close()
 
 
 def _sqlite_begin_marker(conn: Connection) -> None:
