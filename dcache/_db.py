@@ -22,6 +22,7 @@ from sqlalchemy import (
     event,
     func,
     insert,
+    literal_column,
     or_,
     select,
     text,
@@ -38,6 +39,7 @@ from ._schema import (
     LIVE,
     NOPAD_COLLATIONS,
     SCHEMA_VERSION,
+    UTCDateTime,
     jobs,
     locks,
     meta,
@@ -167,9 +169,30 @@ _TARGET_COLS = [
 ]
 
 
-def _visible(now: dt.datetime) -> Any:
+# "Live" with the statuses inlined: an expanding IN parameter is re-rendered per execute.
+_LIVE_IN = jobs.c.status.in_([literal_column(f"'{s}'") for s in LIVE])
+
+
+def _visible(now: Any) -> Any:
     """A job is visible while its lease holds, and always while it is live."""
-    return or_(jobs.c.expires_at > now, jobs.c.status.in_(LIVE))
+    return or_(jobs.c.expires_at > now, _LIVE_IN)
+
+
+# The submit transaction's statements, built once (construction costs more than SQLite's
+# own work for these reads).
+_Q_LOCK = select(locks.c.name).where(locks.c.name == bindparam("n")).with_for_update()
+_Q_IDEM = (
+    select(*_JOB_COLS)
+    .where(
+        jobs.c.caller == bindparam("c"),
+        jobs.c.idem_key == bindparam("k"),
+        _visible(bindparam("now", type_=UTCDateTime)),
+    )
+    .order_by(jobs.c.created_at.desc())
+    .limit(1)
+)
+_Q_LIVE_ALL = select(func.count()).select_from(jobs).where(_LIVE_IN)
+_Q_LIVE_CALLER = _Q_LIVE_ALL.where(jobs.c.caller == bindparam("c"))
 
 
 class DB:
@@ -456,8 +479,7 @@ class DB:
         owner: str,
         now: dt.datetime,
     ) -> SubmitOutcome:
-        lock_q = select(locks.c.name).where(locks.c.name == caller_lock).with_for_update()
-        if conn.execute(lock_q).first() is None:
+        if conn.execute(_Q_LOCK, {"n": caller_lock}).first() is None:
             # First submit of this caller: create its lock row. Inserting locks it for the
             # rest of this transaction; a racing creator makes one of us retry.
             try:
@@ -470,7 +492,7 @@ class DB:
         live_caller = self._count_live(conn, caller)
         if live_caller >= jobs_per_caller:
             return SubmitOutcome("caller_busy", live=live_caller)
-        conn.execute(select(locks.c.name).where(locks.c.name == GLOBAL_LOCK).with_for_update())
+        conn.execute(_Q_LOCK, {"n": GLOBAL_LOCK})
         live_total = self._count_live(conn, None)
         if live_total >= jobs_total:
             return SubmitOutcome("busy", live=live_total)
@@ -515,20 +537,14 @@ class DB:
 
     @staticmethod
     def _by_idem(conn: Connection, caller: str, idem_key: str, now: dt.datetime) -> JobRow | None:
-        row = conn.execute(
-            select(*_JOB_COLS)
-            .where(jobs.c.caller == caller, jobs.c.idem_key == idem_key, _visible(now))
-            .order_by(jobs.c.created_at.desc())
-            .limit(1)
-        ).first()
+        row = conn.execute(_Q_IDEM, {"c": caller, "k": idem_key, "now": now}).first()
         return _job_row(row) if row is not None else None
 
     @staticmethod
     def _count_live(conn: Connection, caller: str | None) -> int:
-        q = select(func.count()).select_from(jobs).where(jobs.c.status.in_(LIVE))
-        if caller is not None:
-            q = q.where(jobs.c.caller == caller)
-        return int(conn.execute(q).scalar_one())
+        if caller is None:
+            return int(conn.execute(_Q_LIVE_ALL).scalar_one())
+        return int(conn.execute(_Q_LIVE_CALLER, {"c": caller}).scalar_one())
 
     # -- the seed's lookups -------------------------------------------------------------
 
