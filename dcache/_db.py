@@ -29,6 +29,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy import exc as sa_exc
+from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import QueuePool
 
@@ -359,6 +360,7 @@ class DB:
                 try:
                     self._choose_nopad_collation(conn)
                     metadata.create_all(conn)
+                    self._check_columns(conn)
                     self._init_meta(conn)
                     conn.commit()
                 finally:
@@ -369,6 +371,7 @@ class DB:
             if self.dialect == "postgresql":
                 conn.execute(select(func.pg_advisory_xact_lock(0x6463616368)))
             metadata.create_all(conn)
+            self._check_columns(conn)
             self._init_meta(conn)
 
     @staticmethod
@@ -390,6 +393,23 @@ class DB:
         chosen = next((c for c in NOPAD_COLLATIONS if c in have), None)
         if chosen is not None:
             conn.dialect.dcache_collation = chosen  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _check_columns(conn: Connection) -> None:
+        """Refuse tables that lack columns this version needs (made by an older build).
+
+        ``create_all`` never alters an existing table, so without this check such a
+        database would fail later, on some query, with an "unknown column" error.
+        """
+        inspector = sa_inspect(conn)
+        for table in metadata.sorted_tables:
+            have = {c["name"] for c in inspector.get_columns(table.name)}
+            missing = sorted(c.name for c in table.columns if c.name not in have)
+            if missing:
+                raise SchemaVersionError(
+                    f"table {table.name} lacks column(s) {', '.join(missing)}: it was made "
+                    "by an older development build of dcache; migrate it or use a new database"
+                )
 
     @staticmethod
     def _init_meta(conn: Connection) -> None:

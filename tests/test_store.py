@@ -982,3 +982,13 @@ def assert_index_used(db: DB, statement: str, params: Any, index: str) -> None:
         else:
             rows = conn.exec_driver_sql("EXPLAIN " + statement, params).mappings().all()
             assert all(r["key"] and r["type"] != "ALL" for r in rows), rows
+
+
+def test_a_table_made_by_an_older_build_is_refused_with_a_clear_error(tmp_path: Path) -> None:
+    """create_all never alters tables: a missing column must say so at open, not mid-query."""
+    url = f"sqlite:///{tmp_path / 'old.sqlite3'}"
+    DB.open(url).close()
+    with DB.open(url) as db, db.engine.begin() as conn:
+        conn.execute(text("ALTER TABLE batch_owner DROP COLUMN stale_at"))
+    with pytest.raises(dcache.SchemaVersionError, match="stale_at"):
+        DB.open(url)
