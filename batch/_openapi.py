@@ -65,7 +65,7 @@ _SCHEMAS: dict[str, Any] = {
         "required": ["url"],
         "properties": {
             "url": {"type": "string", "minLength": 1, "maxLength": MAX_URL_LENGTH},
-            "options": _ref("Options"),
+            "options": {"anyOf": [_ref("Options"), {"type": "null"}]},
         },
         "additionalProperties": False,
     },

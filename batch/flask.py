@@ -344,7 +344,7 @@ def _no_constants(name: str) -> NoReturn:
 
 
 def _wait_arg(raw: str | None) -> float:
-    if raw is None or raw == "":
+    if raw is None:
         return 0.0
     try:
         wait = float(raw)
