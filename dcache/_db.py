@@ -158,16 +158,6 @@ def _job_row(row: Row[Any]) -> JobRow:
 
 
 _JOB_COLS = [c for c in jobs.c]
-_TARGET_COLS = [
-    targets.c.idx,
-    targets.c.url,
-    targets.c.options,
-    targets.c.status.label("t_status"),
-    targets.c.result,
-    targets.c.error.label("t_error"),
-    targets.c.hint,
-    targets.c.updated_at.label("t_updated_at"),
-]
 
 
 # "Live" with the statuses inlined: an expanding IN parameter is re-rendered per execute.
