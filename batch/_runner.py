@@ -171,6 +171,11 @@ class Runner:
         """The store the runner writes to."""
         return self._db
 
+    @property
+    def fetch(self) -> Fetch:
+        """The ``fetch`` callable the runner drains targets through."""
+        return self._fetch
+
     # -- submit -------------------------------------------------------------------------
 
     def submit(

@@ -7,7 +7,13 @@ MySQL/MariaDB (PyMySQL) when several processes or hosts share one database.
 from __future__ import annotations
 
 from ._db import DB, Writer, utcnow
-from ._errors import SchemaVersionError, StoreError, StoreUnavailableError, is_transient
+from ._errors import (
+    PoolExhaustedError,
+    SchemaVersionError,
+    StoreError,
+    StoreUnavailableError,
+    is_transient,
+)
 from ._rows import JobRow, NewTarget, SubmitOutcome, TargetRow, WriteOutcome
 from ._schema import LIVE, SCHEMA_VERSION, TERMINAL
 
@@ -18,6 +24,7 @@ __all__ = [
     "TERMINAL",
     "JobRow",
     "NewTarget",
+    "PoolExhaustedError",
     "SchemaVersionError",
     "StoreError",
     "StoreUnavailableError",

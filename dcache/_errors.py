@@ -9,7 +9,13 @@ from typing import ParamSpec, TypeVar
 
 from sqlalchemy import exc as sa_exc
 
-__all__ = ["SchemaVersionError", "StoreError", "StoreUnavailableError", "wrap_errors"]
+__all__ = [
+    "PoolExhaustedError",
+    "SchemaVersionError",
+    "StoreError",
+    "StoreUnavailableError",
+    "wrap_errors",
+]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -29,6 +35,10 @@ class StoreError(Exception):
 
 class StoreUnavailableError(StoreError):
     """The database is unreachable or asked for a retry (deadlock, lock timeout, restart)."""
+
+
+class PoolExhaustedError(StoreUnavailableError):
+    """Every pooled connection was in use until the checkout timed out (not an outage)."""
 
 
 class SchemaVersionError(StoreError):
@@ -64,7 +74,10 @@ def is_sqlite_busy(exc: BaseException) -> bool:
 
 def translate(exc: sa_exc.SQLAlchemyError) -> StoreError:
     """Map a SQLAlchemy error onto the store's own exception types."""
-    kind = StoreUnavailableError if is_transient(exc) else StoreError
+    if isinstance(exc, sa_exc.TimeoutError):
+        kind: type[StoreError] = PoolExhaustedError
+    else:
+        kind = StoreUnavailableError if is_transient(exc) else StoreError
     err = kind(f"{type(exc).__name__}: {exc}".splitlines()[0])
     err.__cause__ = exc
     return err
