@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import math
+import random
 import secrets
 import threading
 import time
@@ -12,10 +14,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
-import stamina
 
 import dcache
-from dcache import JobRow, NewTarget, StoreError, StoreUnavailableError, TargetRow, WriteOutcome
+from dcache import (
+    LIVE,
+    JobRow,
+    NewTarget,
+    PoolExhaustedError,
+    StoreError,
+    StoreUnavailableError,
+    TargetRow,
+    WriteOutcome,
+)
 
 from ._errors import (
     BusyError,
@@ -29,6 +39,7 @@ from ._errors import (
 from ._values import (
     MAX_CALLER_LENGTH,
     MAX_KEY_LENGTH,
+    MAX_META_DEPTH,
     Config,
     Job,
     Options,
@@ -75,6 +86,16 @@ class _Drain:
     thread: threading.Thread | None = None
 
 
+@attrs.define(eq=False)
+class _Unresolved:
+    """A submission whose job may exist without a drain (its submit raised, or its
+    drain thread could not start): the maintenance thread finds out and settles it."""
+
+    items: list[Target]
+    since: float  # monotonic
+    misses: int = 0  # lookups that found no job
+
+
 def _job(row: JobRow) -> Job:
     return Job(
         id=row.id,
@@ -95,8 +116,14 @@ def _job(row: JobRow) -> Job:
 
 def _target_status(row: TargetRow, *, in_flight: bool) -> TargetStatus:
     result = None
+    error = row.error
     if row.result is not None:
-        result = Result.from_json(json.loads(row.result))
+        # Whatever is stored (a result written by an older version, nested past what
+        # json can decode), reading it must not fail the whole status read.
+        try:
+            result = Result.from_json(json.loads(row.result))
+        except (ValueError, TypeError, AttributeError, RecursionError) as exc:
+            error = error or f"stored result unreadable ({type(exc).__name__})"
     try:
         options = Options(**json.loads(row.options))
     except (TypeError, ValueError):
@@ -107,7 +134,7 @@ def _target_status(row: TargetRow, *, in_flight: bool) -> TargetStatus:
         url=row.url,
         status=status,
         result=result,
-        error=row.error,
+        error=error,
         hint=row.hint,
         options=options,
     )
@@ -122,11 +149,15 @@ class Runner:
             job. It may raise :class:`FetchError` to fail a target with a hint.
         config: limits and timings; ``None`` means ``Config()``.
         log: where to log; ``None`` means ``logging.getLogger("batch")``.
-        clock: the time source (aware UTC); tests inject one.
+        clock: the wall-clock time source (aware UTC); tests inject one.
+        monotonic: the monotonic time source (seconds) that owner liveness is judged
+            by; tests inject one.
 
-    Building a runner registers it as a live *owner* with a heartbeat and fails, with
-    error ``"restart"``, the live jobs of owners that stopped beating (dead processes),
-    so the default path is safe with any number of processes sharing the database.
+    Building a runner registers it as a live *owner* with a heartbeat. Its maintenance
+    thread watches every other owner's beat counter and fails, with error
+    ``"restart"``, the live jobs of an owner whose counter this runner saw unchanged for
+    that owner's staleness window on its own monotonic clock (a dead process): a step
+    of any wall clock never makes a live peer look dead.
     """
 
     def __init__(
@@ -137,29 +168,40 @@ class Runner:
         log: logging.Logger | None = None,
         *,
         clock: Callable[[], dt.datetime] | None = None,
+        monotonic: Callable[[], float] | None = None,
     ) -> None:
         self._db = db
         self._fetch = fetch
         self._config = config if config is not None else Config()
         self._log = log if log is not None else logging.getLogger("batch")
         self._clock = clock if clock is not None else dcache.utcnow
+        self._mono = monotonic if monotonic is not None else time.monotonic
         self.owner: str = secrets.token_hex(16)
-        # Guards _drains, _closed and _abandoned only; never held across I/O.
+        # Guards _drains, _closed, _abandoned and _unresolved only; never held across I/O.
         self._lock = threading.Lock()
         self._drains: dict[str, _Drain] = {}
         self._abandoned: set[str] = set()
+        self._unresolved: dict[str, _Unresolved] = {}
         self._closed = False
         self._stopping = threading.Event()
         self._next_purge = 0.0
         self._stale_after = self._config.heartbeat * _ORPHAN_BEATS
         self._purging = False
         self._purge_thread: threading.Thread | None = None
+        # Owner liveness as this runner observed it: owner -> (token, monotonic when the
+        # token was first seen). Used by the maintenance thread only.
+        self._seen: dict[str, tuple[Any, float]] = {}
+        self._beat_failed = False
         self._db.heartbeat(self.owner, now=self._clock(), stale_after=self._stale_after)
-        self._reap()
+        self.check_owners()
         self._beat_thread = threading.Thread(
             target=self._beat_loop, name=f"batch-heartbeat-{self.owner[:8]}", daemon=True
         )
+        self._maintain_thread = threading.Thread(
+            target=self._maintain_loop, name=f"batch-maintain-{self.owner[:8]}", daemon=True
+        )
         self._beat_thread.start()
+        self._maintain_thread.start()
 
     @property
     def config(self) -> Config:
@@ -232,6 +274,11 @@ class Runner:
                 return found.id, True
             raise TooManyTargetsError(len(items), cfg.targets_per_job)
         job_id = new_job_id()
+        # Until its drain has started, the job may exist with none: if the submit raises
+        # after its COMMIT reached the server (the reply lost, an interrupt), the
+        # maintenance thread looks the id up and drains or ends the job.
+        with self._lock:
+            self._unresolved[job_id] = _Unresolved(items, self._mono())
         outcome = self._db.submit(
             job_id=job_id,
             caller=caller,
@@ -249,9 +296,13 @@ class Runner:
             owner=self.owner,
             now=now,
         )
+        if outcome.kind != "created":
+            with self._lock:
+                self._unresolved.pop(job_id, None)
         self._maybe_purge()
         if outcome.kind == "reused":
             assert outcome.job is not None
+            self._adopt(outcome.job)
             self._check_same_payload(outcome.job.id, items, idempotency_key)
             return outcome.job.id, True
         if outcome.kind == "caller_busy":
@@ -281,20 +332,97 @@ class Runner:
         if canonical(stored) != canonical(items):
             raise IdempotencyKeyMismatchError(idempotency_key)
 
+    def _adopt(self, row: JobRow) -> None:
+        """Drain a reused job that an earlier, failed submit of ours left undrained."""
+        if row.owner != self.owner or row.status not in LIVE:
+            return
+        with self._lock:
+            pending = self._unresolved.get(row.id)
+        if pending is not None:
+            self._start(row.id, pending.items)
+
     def _start(self, job_id: str, items: list[Target]) -> None:
+        """Start the job's drain thread; settle the job if it cannot start.
+
+        Raises:
+            RunnerClosedError: :meth:`close` came first; the job is failed with
+                ``"shutdown"`` and its idempotency key released, so a retry of the same
+                submission makes a fresh job instead of getting this never-run one.
+        """
         drain = _Drain(job_id, items)
         drain.thread = threading.Thread(
             target=self._drain, args=(drain,), name=f"batch-job-{job_id}", daemon=True
         )
         with self._lock:
+            if job_id not in self._unresolved or job_id in self._drains:
+                return  # another thread settled it first
             closed = self._closed
             if not closed:
                 self._drains[job_id] = drain
         if closed:
             # close() raced this submit: the job exists but will not be drained here.
-            self._db.fail_job(job_id, "shutdown", now=self._clock())
+            self._end_unstarted(job_id, "shutdown")
             raise RunnerClosedError("the runner was closed while the job was being submitted")
-        drain.thread.start()
+        try:
+            drain.thread.start()
+        except BaseException:
+            # "can't start new thread": the maintenance thread tries again, then ends it.
+            with self._lock:
+                self._drains.pop(job_id, None)
+            raise
+        with self._lock:
+            self._unresolved.pop(job_id, None)
+
+    def _end_unstarted(self, job_id: str, reason: str) -> bool:
+        """Fail a job no drain ever ran and release its key; False if the store failed."""
+        try:
+            self._db.fail_job(job_id, reason, now=self._clock(), release_key=True)
+        except StoreError:
+            self._log.error(
+                "could not end undrained job %s", job_id, exc_info=True, extra={"job_id": job_id}
+            )
+            return False
+        with self._lock:
+            self._unresolved.pop(job_id, None)
+        return True
+
+    def _resolve_unresolved(self) -> None:
+        """Settle submissions that may have left a job without a drain (see submit)."""
+        with self._lock:
+            pending = [(k, v) for k, v in self._unresolved.items() if k not in self._drains]
+        window = self._stale_after.total_seconds()
+        for job_id, entry in pending:
+            try:
+                row = self._db.get_job(job_id, now=self._clock())
+            except StoreError:
+                continue  # the store is still away: try on the next beat
+            if row is None:
+                # Never committed, most likely. A COMMIT whose connection died may still
+                # complete on the server a moment later, so forget the id only after a
+                # few misses spread over a staleness window.
+                entry.misses += 1
+                if entry.misses >= _ORPHAN_BEATS and self._mono() - entry.since >= window:
+                    with self._lock:
+                        self._unresolved.pop(job_id, None)
+                continue
+            if row.owner != self.owner or row.status not in LIVE:
+                with self._lock:
+                    self._unresolved.pop(job_id, None)
+                continue
+            if self._closed:
+                self._end_unstarted(job_id, "shutdown")
+                continue
+            self._log.warning(
+                "job %s was committed but not drained (its submit failed); draining it now",
+                job_id,
+                extra={"job_id": job_id},
+            )
+            try:
+                self._start(job_id, entry.items)
+            except RunnerClosedError:
+                pass
+            except BaseException as exc:
+                self._end_unstarted(job_id, _storable(f"drain could not start: {_describe(exc)}"))
 
     # -- the drain ----------------------------------------------------------------------
 
@@ -343,24 +471,92 @@ class Runner:
 
     def _call_fetch(self, job_id: str, idx: int, target: Target) -> dict[str, Any]:
         """Run ``fetch`` once and turn whatever happens into the fields to store."""
+        timeout = self._config.fetch_timeout
+        if timeout is None:
+            try:
+                res = self._fetch(target)
+            except BaseException as exc:
+                return self._fetch_failed(job_id, idx, target, exc)
+            return self._fields_of(res)
+        return self._call_fetch_bounded(job_id, idx, target, timeout.total_seconds())
+
+    def _call_fetch_bounded(
+        self, job_id: str, idx: int, target: Target, seconds: float
+    ) -> dict[str, Any]:
+        """``fetch`` on a thread of its own, given up on after ``seconds``.
+
+        A fetch cannot be interrupted, so a hung one keeps its thread; its result, if it
+        ever comes, is logged and dropped, never stored (the target is failed already).
+        """
+        lock = threading.Lock()
+        done = threading.Event()
+        box: list[tuple[bool, Any]] = []
+        given_up = False
+
+        def run() -> None:
+            try:
+                outcome: tuple[bool, Any] = (True, self._fetch(target))
+            except BaseException as exc:
+                outcome = (False, exc)
+            with lock:
+                if not given_up:
+                    box.append(outcome)
+                    done.set()
+                    return
+            self._log.warning(
+                "job %s target %d: fetch returned after its %g s timeout; result discarded",
+                job_id,
+                idx,
+                seconds,
+                extra={"job_id": job_id},
+            )
+
+        thread = threading.Thread(target=run, name=f"batch-fetch-{job_id}-{idx}", daemon=True)
         try:
-            res = self._fetch(target)
-        except FetchError as exc:
+            thread.start()
+        except BaseException as exc:
+            return self._fetch_failed(job_id, idx, target, exc)
+        done.wait(seconds)
+        with lock:
+            if not box:
+                given_up = True
+        if given_up:
+            self._log.error(
+                "job %s target %d: no result within %g s (%s)",
+                job_id,
+                idx,
+                seconds,
+                target.url,
+                extra={"job_id": job_id},
+            )
+            return {"status": "failed", "error": f"FetchTimeout: no result within {seconds:g} s"}
+        ok, value = box[0]
+        if not ok:
+            return self._fetch_failed(job_id, idx, target, value)
+        return self._fields_of(value)
+
+    def _fetch_failed(
+        self, job_id: str, idx: int, target: Target, exc: BaseException
+    ) -> dict[str, Any]:
+        """The fields to store for a fetch that raised (anything, SystemExit included)."""
+        if isinstance(exc, FetchError):
             return {
                 "status": "failed",
                 "error": _storable(exc.message),
                 "hint": _storable(exc.hint),
             }
-        except BaseException as exc:  # SystemExit included: a fetch never kills the drain
-            self._log.critical(
-                "fetch crashed on job %s target %d (%s)",
-                job_id,
-                idx,
-                target.url,
-                exc_info=True,
-                extra={"job_id": job_id},
-            )
-            return {"status": "failed", "error": _storable(_describe(exc))}
+        self._log.critical(
+            "fetch crashed on job %s target %d (%s)",
+            job_id,
+            idx,
+            target.url,
+            exc_info=exc,
+            extra={"job_id": job_id},
+        )
+        return {"status": "failed", "error": _storable(_describe(exc))}
+
+    def _fields_of(self, res: object) -> dict[str, Any]:
+        """The fields to store for what a fetch returned."""
         if not isinstance(res, Result):
             return {
                 "status": "failed",
@@ -379,6 +575,12 @@ class Runner:
                 "status": "failed",
                 "error": _storable(f"{_describe(exc)} (result not storable)"),
             }
+        if _json_depth(res.meta, MAX_META_DEPTH) > MAX_META_DEPTH:
+            # json encodes what it cannot decode again: refuse it here, not on every read.
+            return {
+                "status": "failed",
+                "error": f"ResultTooDeep: meta nests more than {MAX_META_DEPTH} levels",
+            }
         if size > self._config.max_result_bytes:
             return {
                 "status": "failed",
@@ -394,28 +596,40 @@ class Runner:
         extra = {"job_id": job_id}
         budget = self._config.write_retry.total_seconds()
         ttl = self._config.ttl
+        outage_since: float | None = None  # monotonic start of the current outage
+        delay = 0.05
+        pause = threading.Event()  # never set: an Event-based sleep
         try:
-            try:
-                # The common case pays for no retry machinery.
-                return writer.write_target(job_id, idx, ttl=ttl, now=self._clock(), **fields)
-            except StoreUnavailableError:
-                self._log.warning(
-                    "storing job %s target %d failed; retrying for up to %.0f s",
-                    job_id,
-                    idx,
-                    budget,
-                    exc_info=True,
-                    extra=extra,
-                )
-            for attempt in stamina.retry_context(
-                on=StoreUnavailableError,
-                attempts=None,
-                timeout=budget,
-                wait_initial=0.05,
-                wait_max=2.0,
-            ):
-                with attempt:
+            while True:
+                try:
                     return writer.write_target(job_id, idx, ttl=ttl, now=self._clock(), **fields)
+                except PoolExhaustedError:
+                    # Every pooled connection is busy (more live jobs than the pool holds):
+                    # not an outage, so no budget runs down; the checkout itself waited.
+                    self._log.warning(
+                        "job %s target %d: waiting for a free connection",
+                        job_id,
+                        idx,
+                        extra=extra,
+                    )
+                except StoreUnavailableError:
+                    now = time.monotonic()
+                    if outage_since is None:
+                        outage_since = now
+                        self._log.warning(
+                            "storing job %s target %d failed; retrying for up to %.0f s",
+                            job_id,
+                            idx,
+                            budget,
+                            exc_info=True,
+                            extra=extra,
+                        )
+                    left = outage_since + budget - now
+                    if left <= 0:
+                        raise
+                    # Exponential backoff with full jitter, capped at 2 s.
+                    pause.wait(min(left, random.uniform(0, delay)))
+                    delay = min(delay * 2, 2.0)
         except StoreUnavailableError:
             self._log.critical(
                 "gave up storing job %s target %d after %.0f s of outage",
@@ -461,7 +675,11 @@ class Runner:
             pending = list(self._abandoned)
         for job_id in pending:
             try:
-                self._db.fail_job(job_id, "store unavailable", now=self._clock())
+                now = self._clock()
+                # A job cancelled before its drain gave up is no longer live: its end
+                # must still be recorded, or every wait() on it would hang.
+                if not self._db.fail_job(job_id, "store unavailable", now=now):
+                    self._db.mark_finished(job_id, now=now)
             except StoreError:
                 continue
             with self._lock:
@@ -533,6 +751,7 @@ class Runner:
         Raises:
             TimeoutError: ``timeout`` seconds passed first.
         """
+        timeout = _timeout(timeout)
         if not _plausible_id(job_id):
             return None
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -557,32 +776,82 @@ class Runner:
 
     # -- owner heartbeat, reaping, purging ----------------------------------------------
 
-    def _reap(self) -> int:
-        n = self._db.reap_orphans("restart", self._stale_after, now=self._clock())
+    def check_owners(self) -> int:
+        """Observe every owner's beats once; reap those silent for their whole window.
+
+        An owner is taken for dead when this runner has seen its beat token (see
+        :class:`dcache.OwnerRow`) unchanged for at least the larger of this runner's
+        staleness window (three heartbeats) and the window the owner declared, both
+        measured on this runner's monotonic clock. Their live jobs are failed with
+        ``"restart"`` (see :meth:`dcache.DB.reap_owners`). The maintenance thread calls
+        this every heartbeat period; returns how many jobs were failed.
+
+        Raises:
+            dcache.StoreError: the store failed; what was observed so far is forgotten,
+                so no owner is judged on a gap in this runner's own view.
+        """
+        try:
+            if self._beat_failed:
+                # Our own beats failed: peers' beats may have failed alike, and a gap in
+                # our view is no evidence against them. Start the watch over.
+                self._beat_failed = False
+                self._seen.clear()
+            rows = self._db.owners()
+        except BaseException:
+            self._seen.clear()
+            raise
+        now = self._mono()
+        mine = self._stale_after.total_seconds()
+        seen: dict[str, tuple[Any, float]] = {}
+        dead: dict[str, Any] = {}
+        for row in rows:
+            if row.owner == self.owner:
+                continue
+            token = row.token
+            before = self._seen.get(row.owner)
+            if before is None or before[0] != token:
+                seen[row.owner] = (token, now)
+                continue
+            seen[row.owner] = before
+            window = max(mine, row.stale_after.total_seconds() if row.stale_after else 0.0)
+            if now - before[1] > window:
+                dead[row.owner] = token
+        self._seen = seen
+        if not dead:
+            return 0
+        n = self._db.reap_owners(dead, "restart", now=self._clock())
+        for owner in dead:
+            self._seen.pop(owner, None)
         if n:
             self._log.warning("marked %d orphaned job(s) failed: their runner stopped", n)
         return n
 
     def _beat_loop(self) -> None:
+        """Beat every period, and nothing else: no other work can delay a beat."""
         period = self._config.heartbeat.total_seconds()
-        guard = self._stale_after.total_seconds()
-        healthy_since = time.monotonic()
         while not self._stopping.wait(period):
             try:
                 self._db.heartbeat(self.owner, now=self._clock(), stale_after=self._stale_after)
-                # After an outage every peer's beat looks stale; reap only once our own
-                # beats have gone through for a whole staleness window again.
-                if time.monotonic() - healthy_since >= guard:
-                    self._reap()
-                self._retry_abandoned()
             except StoreError:
-                healthy_since = float("inf")
+                self._beat_failed = True
                 self._log.warning("heartbeat failed; retrying next period", exc_info=True)
             except BaseException:
+                self._beat_failed = True
                 self._log.critical("heartbeat crashed; retrying next period", exc_info=True)
-            else:
-                if healthy_since == float("inf"):
-                    healthy_since = time.monotonic()
+
+    def _maintain_loop(self) -> None:
+        """Every period: judge peers, end abandoned jobs, settle failed submissions."""
+        period = self._config.heartbeat.total_seconds()
+        while not self._stopping.wait(period):
+            for step in (self.check_owners, self._retry_abandoned, self._resolve_unresolved):
+                try:
+                    step()
+                except StoreError:
+                    self._log.warning("%s failed; retrying next period", step.__name__)
+                except BaseException:
+                    self._log.critical(
+                        "%s crashed; retrying next period", step.__name__, exc_info=True
+                    )
 
     def _maybe_purge(self) -> None:
         """Purge lapsed jobs now and then (at most once per ``purge_interval``)."""
@@ -643,8 +912,12 @@ class Runner:
                 _join(d.thread, None)
         self._stopping.set()
         _join(self._beat_thread, time.monotonic() + 5)
+        _join(self._maintain_thread, time.monotonic() + 5)
         _join(self._purge_thread, time.monotonic() + 5)
         self._retry_abandoned()
+        # A submission still unsettled (its submit raised) is ended here: no drain of
+        # this runner will ever run it.
+        self._resolve_unresolved()
         try:
             if not any(d.thread is not None and d.thread.is_alive() for d in left):
                 self._db.remove_owner(self.owner)
@@ -661,6 +934,19 @@ class Runner:
         with self._lock:
             n = len(self._drains)
         return f"<batch.Runner owner={self.owner[:8]} live={n} closed={self._closed}>"
+
+
+def _timeout(timeout: float | None) -> float | None:
+    """A wait's timeout in seconds: ``None`` or infinity wait for ever; NaN is refused."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds or None, not {timeout!r}")
+    if math.isnan(timeout):
+        raise ValueError("timeout must be a number of seconds or None, not NaN")
+    if timeout > threading.TIMEOUT_MAX:
+        return None  # longer than any wait can be told apart from for ever
+    return max(0.0, float(timeout))
 
 
 def _join(thread: threading.Thread | None, deadline: float | None) -> None:
@@ -695,3 +981,25 @@ def _storable(text: object, limit: int = MAX_MESSAGE_LENGTH) -> str:
     if len(s) > limit:
         s = s[: limit - 14] + " [truncated]"
     return s
+
+
+def _json_depth(value: object, limit: int) -> int:
+    """How deep lists and dicts nest in ``value``, counted up to ``limit + 1``.
+
+    Iterative, so neither a deep value nor a cyclic one can exhaust the stack.
+    """
+    deepest = 0
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            return deepest
+        stack.extend((child, depth + 1) for child in children)
+    return deepest

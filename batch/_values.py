@@ -14,7 +14,9 @@ from ._errors import InvalidTargetsError
 
 __all__ = [
     "MAX_CALLER_LENGTH",
+    "MAX_DURATION",
     "MAX_KEY_LENGTH",
+    "MAX_META_DEPTH",
     "MAX_OPTION_LENGTH",
     "MAX_URL_LENGTH",
     "Config",
@@ -34,6 +36,8 @@ MAX_URL_LENGTH = 8192
 MAX_OPTION_LENGTH = 8192
 MAX_CALLER_LENGTH = 191  # the store's key columns (utf8mb4 index limit on MySQL)
 MAX_KEY_LENGTH = 255
+MAX_DURATION = dt.timedelta(days=36500)  # any Config duration: a hundred years
+MAX_META_DEPTH = 64  # nesting of a Result's meta; deeper fails the target (see Runner)
 
 _STR_OPTIONS = ("mode", "question", "pages", "grep", "jq")
 _BOOL_OPTIONS = ("context", "recover")
@@ -314,6 +318,11 @@ def _positive_or_default(default: T) -> Callable[[Any], Any]:
         if isinstance(default, dt.timedelta) and isinstance(value, (int, float)):
             if isinstance(value, bool):
                 raise TypeError(f"expected a timedelta, not {value!r}")
+            if not abs(value) <= MAX_DURATION.total_seconds():  # NaN or huge
+                raise ValueError(
+                    f"a duration must be a number of seconds up to "
+                    f"{MAX_DURATION.total_seconds():.0f}, not {value!r}"
+                )
             value = dt.timedelta(seconds=value)
         if not value:
             return default
@@ -328,6 +337,23 @@ def _not_negative(_inst: object, attribute: attrs.Attribute[Any], value: Any) ->
         raise TypeError(f"Config.{attribute.name} must be {type(zero).__name__}, not {value!r}")
     if value < zero:
         raise ValueError(f"Config.{attribute.name} must not be negative, got {value!r}")
+    # Durations are added to datetimes and handed to Event.wait(): bound them so neither
+    # overflows (datetime.max, threading.TIMEOUT_MAX) at submit or in a thread.
+    if isinstance(value, dt.timedelta) and value > MAX_DURATION:
+        raise ValueError(f"Config.{attribute.name} must be at most {MAX_DURATION}, got {value!r}")
+
+
+def _optional_duration(value: Any) -> Any:
+    """``None`` or 0 stay unset; seconds become a timedelta (as the other durations)."""
+    if value is None:
+        return None
+    value = _positive_or_default(dt.timedelta(0))(value)
+    return value if value else None
+
+
+def _not_negative_or_none(inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None:
+        _not_negative(inst, attribute, value)
 
 
 def _field(default: Any) -> Any:
@@ -351,6 +377,10 @@ class Config:
         write_retry: how long a drain retries storing a fetched result through a
             database outage before it gives up (the result is never fetched again).
         purge_interval: least time between two purges of lapsed jobs.
+        fetch_timeout: when set, a ``fetch`` that has not returned within it fails its
+            target with ``"FetchTimeout: no result within N s"`` and the drain goes on;
+            a late result is discarded, never stored. ``None`` (the default, also 0):
+            wait as long as ``fetch`` takes.
     """
 
     ttl: dt.timedelta = _field(dt.timedelta(hours=24))
@@ -361,3 +391,6 @@ class Config:
     max_result_bytes: int = _field(8 * 1024 * 1024)
     write_retry: dt.timedelta = _field(dt.timedelta(seconds=60))
     purge_interval: dt.timedelta = _field(dt.timedelta(seconds=60))
+    fetch_timeout: dt.timedelta | None = attrs.field(
+        default=None, converter=_optional_duration, validator=_not_negative_or_none
+    )

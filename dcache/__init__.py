@@ -14,7 +14,7 @@ from ._errors import (
     StoreUnavailableError,
     is_transient,
 )
-from ._rows import JobRow, NewTarget, SubmitOutcome, TargetRow, WriteOutcome
+from ._rows import JobRow, NewTarget, OwnerRow, SubmitOutcome, TargetRow, WriteOutcome
 from ._schema import LIVE, SCHEMA_VERSION, TERMINAL
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "TERMINAL",
     "JobRow",
     "NewTarget",
+    "OwnerRow",
     "PoolExhaustedError",
     "SchemaVersionError",
     "StoreError",

@@ -7,7 +7,7 @@ import datetime as dt
 import logging
 import secrets
 import sqlite3
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import stamina
@@ -31,10 +31,11 @@ from sqlalchemy import (
 from sqlalchemy import exc as sa_exc
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.engine import make_url
-from sqlalchemy.pool import QueuePool
+from sqlalchemy.pool import NullPool, QueuePool
+from sqlalchemy.schema import CreateColumn
 
 from ._errors import SchemaVersionError, StoreError, is_sqlite_busy, wrap_errors
-from ._rows import JobRow, NewTarget, SubmitOutcome, TargetRow, WriteOutcome
+from ._rows import JobRow, NewTarget, OwnerRow, SubmitOutcome, TargetRow, WriteOutcome
 from ._schema import (
     GLOBAL_LOCK,
     LIVE,
@@ -126,6 +127,12 @@ def _install_sqlite_hooks(engine: Engine, *, synchronous: str, busy_timeout: flo
         finally:
             cur.close()
 
+    _install_sqlite_begin(engine)
+
+
+def _install_sqlite_begin(engine: Engine) -> None:
+    """Emit SQLite's BEGIN ourselves: ``BEGIN IMMEDIATE`` for writes (see above)."""
+
     @event.listens_for(engine, "begin")
     def _begin(conn: Connection) -> None:
         dbapi_conn = conn.connection.driver_connection
@@ -134,6 +141,25 @@ def _install_sqlite_hooks(engine: Engine, *, synchronous: str, busy_timeout: flo
             dbapi_conn.isolation_level = None
         write = conn.get_execution_options().get(_WRITE, False)
         conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+
+def _control_engine(engine: Engine) -> Engine | None:
+    """A second engine on a pool of its own, for the owner heartbeat and reaping.
+
+    Drains hold pooled connections for a job's life; with more live jobs than the pool
+    holds, a heartbeat sharing that pool would wait at checkout, miss its beats and get
+    its own live jobs reaped by peers. The new pool has the same creator, settings and
+    pool-level hooks (``Pool.recreate``) and opens connections only when used: one, for
+    the heartbeat thread. ``None`` for pools that cannot be duplicated safely (a
+    ``StaticPool`` or ``SingletonThreadPool`` would open a second, empty in-memory
+    database): those share the one connection anyway.
+    """
+    if not isinstance(engine.pool, (QueuePool, NullPool)):
+        return None
+    ctl = Engine(engine.pool.recreate(), engine.dialect, engine.url)
+    if engine.dialect.name == "sqlite":
+        _install_sqlite_begin(ctl)
+    return ctl
 
 
 def _job_row(row: Row[Any]) -> JobRow:
@@ -162,6 +188,10 @@ _JOB_COLS = [c for c in jobs.c]
 
 # "Live" with the statuses inlined: an expanding IN parameter is re-rendered per execute.
 _LIVE_IN = jobs.c.status.in_([literal_column(f"'{s}'") for s in LIVE])
+
+
+# Jobs a drain may still be working on: live, or cancelled with the drain not yet ended.
+_UNFINISHED = or_(_LIVE_IN, and_(jobs.c.status == "cancelled", jobs.c.finished_at.is_(None)))
 
 
 def _visible(now: Any) -> Any:
@@ -212,6 +242,11 @@ class DB:
             # still see the snapshot from before it, and the caps would overshoot.
             self._engine = engine.execution_options(isolation_level="READ COMMITTED")
         self._wengine = self._engine.execution_options(**{_WRITE: True})
+        self._ctl_raw = _control_engine(engine)
+        ctl = self._ctl_raw if self._ctl_raw is not None else engine
+        if self.dialect != "sqlite":
+            ctl = ctl.execution_options(isolation_level="READ COMMITTED")
+        self._wctl = ctl.execution_options(**{_WRITE: True})
         self._closed = False
         try:
             self._create_schema()
@@ -312,6 +347,9 @@ class DB:
             self._dispose()
 
     def _dispose(self) -> None:
+        if self._ctl_raw is not None:
+            # Always ours, even on a caller's engine: only its connections are closed.
+            self._ctl_raw.dispose()
         if self._owns_engine:
             self._engine.dispose()
         if self._keeper is not None:
@@ -337,6 +375,12 @@ class DB:
         with self._engine.begin() as conn:
             yield conn
 
+    @contextlib.contextmanager
+    def _control(self) -> Iterator[Connection]:
+        """A write transaction on the control pool (heartbeat and reaping)."""
+        with self._wctl.begin() as conn:
+            yield conn
+
     # -- schema -------------------------------------------------------------------------
 
     @wrap_errors
@@ -350,6 +394,7 @@ class DB:
                 try:
                     self._choose_nopad_collation(conn)
                     metadata.create_all(conn)
+                    self._migrate(conn)
                     self._check_columns(conn)
                     self._init_meta(conn)
                     conn.commit()
@@ -361,6 +406,7 @@ class DB:
             if self.dialect == "postgresql":
                 conn.execute(select(func.pg_advisory_xact_lock(0x6463616368)))
             metadata.create_all(conn)
+            self._migrate(conn)
             self._check_columns(conn)
             self._init_meta(conn)
 
@@ -385,6 +431,25 @@ class DB:
             conn.dialect.dcache_collation = chosen  # type: ignore[attr-defined]
 
     @staticmethod
+    def _migrate(conn: Connection) -> None:
+        """Add in place the columns a newer schema version added with a server default.
+
+        ``create_all`` never alters an existing table. A column that can be added to a
+        populated table (one with a server default, or nullable) is added here, so a
+        version-1 database moves on without losing its jobs; anything else is left to
+        :meth:`_check_columns` to refuse.
+        """
+        inspector = sa_inspect(conn)
+        for table in metadata.sorted_tables:
+            have = {c["name"] for c in inspector.get_columns(table.name)}
+            for column in table.columns:
+                if column.name in have or not (column.nullable or column.server_default):
+                    continue
+                ddl = CreateColumn(column).compile(dialect=conn.dialect)
+                log.warning("adding column %s.%s to an older schema", table.name, column.name)
+                conn.execute(text(f"ALTER TABLE {table.name} ADD COLUMN {ddl}"))
+
+    @staticmethod
     def _check_columns(conn: Connection) -> None:
         """Refuse tables that lack columns this version needs (made by an older build).
 
@@ -406,6 +471,10 @@ class DB:
         found = conn.execute(select(meta.c.value).where(meta.c.key == "schema_version")).scalar()
         if found is None:
             conn.execute(insert(meta).values(key="schema_version", value=str(SCHEMA_VERSION)))
+        elif int(found) < SCHEMA_VERSION:  # _migrate brought the tables up to date
+            conn.execute(
+                update(meta).where(meta.c.key == "schema_version").values(value=str(SCHEMA_VERSION))
+            )
         elif int(found) > SCHEMA_VERSION:
             raise SchemaVersionError(
                 f"database schema version {found} is newer than this dcache's "
@@ -749,8 +818,20 @@ class DB:
         return bool(won == 1)
 
     @wrap_errors
-    def fail_job(self, job_id: str, reason: str, now: dt.datetime | None = None) -> bool:
-        """Mark a live job failed with ``error=reason`` and finished; False if not live."""
+    def fail_job(
+        self,
+        job_id: str,
+        reason: str,
+        now: dt.datetime | None = None,
+        *,
+        release_key: bool = False,
+    ) -> bool:
+        """Mark a live job failed with ``error=reason`` and finished; False if not live.
+
+        With ``release_key``, for a job that no drain ever ran, the job also gives up its
+        idempotency key: the same submission made again creates a fresh job instead of
+        being handed this one.
+        """
         if not _findable(job_id):
             return False
         now = _now(now)
@@ -758,22 +839,30 @@ class DB:
             ttl = self._ttl_of(conn, job_id)
             if ttl is None:
                 return False
-            return self._fail(conn, job_id, reason, ttl, now)
+            return self._fail(conn, job_id, reason, ttl, now, release_key=release_key)
 
     @staticmethod
     def _fail(
-        conn: Connection, job_id: str, reason: str, ttl: dt.timedelta, now: dt.datetime
+        conn: Connection,
+        job_id: str,
+        reason: str,
+        ttl: dt.timedelta,
+        now: dt.datetime,
+        *,
+        release_key: bool = False,
     ) -> bool:
+        values: dict[str, Any] = {
+            "status": "failed",
+            "error": reason,
+            "updated_at": now,
+            "expires_at": now + ttl,
+            "finished_at": now,
+        }
+        if release_key:
+            # Keys are 64 hex digits: this one can never be looked up.
+            values["idem_key"] = "released:" + job_id
         won = conn.execute(
-            update(jobs)
-            .where(jobs.c.id == job_id, jobs.c.status.in_(LIVE))
-            .values(
-                status="failed",
-                error=reason,
-                updated_at=now,
-                expires_at=now + ttl,
-                finished_at=now,
-            )
+            update(jobs).where(jobs.c.id == job_id, jobs.c.status.in_(LIVE)).values(**values)
         ).rowcount
         return bool(won == 1)
 
@@ -858,24 +947,92 @@ class DB:
         """
         now = _now(now)
         stale_at = None if stale_after is None else now + stale_after
-        with self._write() as conn:
+        # On a pool of its own: drains holding every pooled connection cannot starve it.
+        with self._control() as conn:
             n = conn.execute(
                 update(owners)
                 .where(owners.c.owner == owner)
-                .values(heartbeat_at=now, stale_at=stale_at)
+                .values(heartbeat_at=now, stale_at=stale_at, beats=owners.c.beats + 1)
             ).rowcount
             if n == 0:
                 conn.execute(
                     insert(owners).values(
-                        owner=owner, heartbeat_at=now, started_at=now, stale_at=stale_at
+                        owner=owner, heartbeat_at=now, started_at=now, stale_at=stale_at, beats=1
                     )
                 )
 
     @wrap_errors
     def remove_owner(self, owner: str) -> None:
         """Forget an owner that stopped cleanly."""
-        with self._write() as conn:
+        with self._control() as conn:
             conn.execute(delete(owners).where(owners.c.owner == owner))
+
+    @wrap_errors
+    def owners(self) -> list[OwnerRow]:
+        """Every owner row, and every owner named by an unfinished job but without a row.
+
+        What a judge of liveness observes: see :class:`OwnerRow` and :meth:`reap_owners`.
+        """
+        with self._control() as conn:
+            found = [
+                OwnerRow(
+                    owner=r.owner,
+                    present=True,
+                    beats=r.beats,
+                    heartbeat_at=r.heartbeat_at,
+                    stale_after=None if r.stale_at is None else r.stale_at - r.heartbeat_at,
+                )
+                for r in conn.execute(
+                    select(owners.c.owner, owners.c.beats, owners.c.heartbeat_at, owners.c.stale_at)
+                )
+            ]
+            missing = conn.execute(
+                select(jobs.c.owner)
+                .distinct()
+                .select_from(jobs.outerjoin(owners, owners.c.owner == jobs.c.owner))
+                .where(_UNFINISHED, owners.c.owner.is_(None))
+            ).scalars()
+            found.extend(OwnerRow(owner=o, present=False) for o in missing)
+        return found
+
+    @wrap_errors
+    def reap_owners(
+        self,
+        dead: Mapping[str, tuple[int, dt.datetime | None] | None],
+        reason: str,
+        now: dt.datetime | None = None,
+    ) -> int:
+        """Fail the unfinished jobs of owners judged dead; return how many were failed.
+
+        ``dead`` maps each owner to the :attr:`OwnerRow.token` the judge saw unchanged
+        for its staleness window. Under the owner rows' locks, an owner whose token has
+        changed since (it beat after all, or came back) is spared; the others' live jobs
+        are failed with ``error=reason`` (compare-and-set each), their cancelled jobs are
+        marked finished, and their rows are deleted, in one transaction.
+        """
+        if not dead:
+            return 0
+        now = _now(now)
+        names = sorted(dead)
+        with self._control() as conn:
+            rows = conn.execute(
+                select(owners.c.owner, owners.c.beats, owners.c.heartbeat_at)
+                .where(owners.c.owner.in_(names))
+                .with_for_update()
+            ).all()
+            current: dict[str, tuple[int, dt.datetime | None] | None] = dict.fromkeys(names)
+            current.update({r.owner: (r.beats, r.heartbeat_at) for r in rows})
+            confirmed = [o for o in names if current[o] == dead[o]]
+            if not confirmed:
+                return 0
+            unfinished = conn.execute(
+                select(jobs.c.id, jobs.c.status, jobs.c.ttl_us)
+                .where(jobs.c.owner.in_(confirmed), _UNFINISHED)
+                .order_by(jobs.c.id)
+            ).all()
+            marked = self._reap(conn, unfinished, reason, now)
+            conn.execute(delete(owners).where(owners.c.owner.in_(confirmed)))
+        return marked
 
     @wrap_errors
     def reap_orphans(

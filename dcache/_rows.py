@@ -7,7 +7,7 @@ from typing import Literal
 
 import attrs
 
-__all__ = ["JobRow", "NewTarget", "SubmitOutcome", "TargetRow", "WriteOutcome"]
+__all__ = ["JobRow", "NewTarget", "OwnerRow", "SubmitOutcome", "TargetRow", "WriteOutcome"]
 
 
 @attrs.frozen
@@ -83,3 +83,24 @@ class WriteOutcome:
     def running(self) -> bool:
         """Whether the drain should go on to the next target."""
         return self.status in ("queued", "running")
+
+
+@attrs.frozen
+class OwnerRow:
+    """A runner as the owners table shows it, or an owner named by live jobs but missing.
+
+    ``token`` changes with every beat the owner makes: a judge that sees it unchanged for
+    a whole staleness window, measured on the judge's own monotonic clock, may take the
+    owner for dead. A missing owner (``present`` False) has the token ``None``.
+    """
+
+    owner: str
+    present: bool
+    beats: int = 0
+    heartbeat_at: dt.datetime | None = None
+    stale_after: dt.timedelta | None = None
+
+    @property
+    def token(self) -> tuple[int, dt.datetime | None] | None:
+        """What changes when the owner beats (``None`` for a missing owner)."""
+        return (self.beats, self.heartbeat_at) if self.present else None

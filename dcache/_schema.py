@@ -40,7 +40,8 @@ __all__ = [
     "targets",
 ]
 
-SCHEMA_VERSION = 1
+# 2: batch_owner.beats (added in place to version-1 tables; see DB._migrate).
+SCHEMA_VERSION = 2
 
 # Job statuses. "Live" is by status, never by lease.
 LIVE = ("queued", "running")
@@ -181,6 +182,9 @@ owners = Table(
     Column("started_at", UTCDateTime, nullable=False),
     # When the owner itself says it may be taken for dead (its last beat + 3 periods).
     Column("stale_at", UTCDateTime, nullable=True),
+    # Incremented by every beat: peers judge liveness by watching it change on their own
+    # monotonic clocks, never by comparing wall-clock times written by another host.
+    Column("beats", BigInteger, nullable=False, default=0, server_default="0"),
     **_MYSQL,
 )
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from conftest import backend_url, open_backend
-from sqlalchemy import event, select, text
+from sqlalchemy import event, select, text, update
 from sqlalchemy import exc as sa_exc
 
 import dcache
@@ -989,6 +989,33 @@ def test_a_table_made_by_an_older_build_is_refused_with_a_clear_error(tmp_path: 
     url = f"sqlite:///{tmp_path / 'old.sqlite3'}"
     DB.open(url).close()
     with DB.open(url) as db, db.engine.begin() as conn:
-        conn.execute(text("ALTER TABLE batch_owner DROP COLUMN stale_at"))
-    with pytest.raises(dcache.SchemaVersionError, match="stale_at"):
+        conn.execute(text("ALTER TABLE batch_owner DROP COLUMN started_at"))
+    with pytest.raises(dcache.SchemaVersionError, match="started_at"):
         DB.open(url)
+
+
+def test_a_version_1_database_is_migrated_in_place_and_keeps_its_jobs(db: DB) -> None:
+    """Version 2 added batch_owner.beats: opening an older database adds it, data intact."""
+    from dcache._schema import meta
+
+    job_id = created(db).id
+    db.heartbeat("old-runner", now=T0)
+    with db.engine.begin() as conn:
+        conn.execute(text("ALTER TABLE batch_owner DROP COLUMN beats"))
+        conn.execute(update(meta).where(meta.c.key == "schema_version").values(value="1"))
+    if db.dialect == "sqlite" and db.engine.url.database in (None, "", ":memory:"):
+        db._create_schema()  # an in-memory store cannot be opened twice
+        again = db
+    else:
+        again = DB.open(db.engine.url.render_as_string(hide_password=False))
+    try:
+        assert again.schema_version() == dcache.SCHEMA_VERSION == 2
+        assert again.get_job(job_id, now=T0) is not None
+        [row] = [o for o in again.owners() if o.owner == "old-runner"]
+        assert (row.present, row.beats) == (True, 0)
+        again.heartbeat("old-runner", now=T0)
+        [row] = [o for o in again.owners() if o.owner == "old-runner"]
+        assert row.beats == 1
+    finally:
+        if again is not db:
+            again.close()
