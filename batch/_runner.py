@@ -354,15 +354,19 @@ class Runner:
             target=self._drain, args=(drain,), name=f"batch-job-{job_id}", daemon=True
         )
         with self._lock:
-            if job_id not in self._unresolved or job_id in self._drains:
-                return  # another thread settled it first
+            if job_id in self._drains:
+                return  # another thread started it first
+            settled = job_id not in self._unresolved  # close() or maintenance ended it
             closed = self._closed
-            if not closed:
+            if not (closed or settled):
                 self._drains[job_id] = drain
         if closed:
             # close() raced this submit: the job exists but will not be drained here.
-            self._end_unstarted(job_id, "shutdown")
+            if not settled:
+                self._end_unstarted(job_id, "shutdown")
             raise RunnerClosedError("the runner was closed while the job was being submitted")
+        if settled:
+            return
         try:
             drain.thread.start()
         except BaseException:
@@ -567,16 +571,20 @@ class Runner:
                 "status": "failed",
                 "error": "TypeError: Result.content must be str and Result.meta a dict",
             }
+        # json encodes what it cannot decode again: refuse it here, not on every read
+        # (a cyclic meta is reported as such by json.dumps below).
+        too_deep = _json_depth(res.meta, MAX_META_DEPTH) > MAX_META_DEPTH
         try:
             payload = json.dumps(res.to_json(), ensure_ascii=False, allow_nan=False)
             size = len(payload.encode("utf-8"))
-        except (TypeError, ValueError, RecursionError) as exc:
+        except RecursionError:
+            too_deep = True
+        except (TypeError, ValueError) as exc:
             return {
                 "status": "failed",
                 "error": _storable(f"{_describe(exc)} (result not storable)"),
             }
-        if _json_depth(res.meta, MAX_META_DEPTH) > MAX_META_DEPTH:
-            # json encodes what it cannot decode again: refuse it here, not on every read.
+        if too_deep:
             return {
                 "status": "failed",
                 "error": f"ResultTooDeep: meta nests more than {MAX_META_DEPTH} levels",
