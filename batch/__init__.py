@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dcache import StoreError, StoreUnavailableError
 
+from . import events
 from ._errors import (
     BusyError,
     CallerBusyError,
@@ -53,6 +54,7 @@ __all__ = [
     "TooManyTargetsError",
     "canonical",
     "client_idem_key",
+    "events",
     "idem_key",
     "new_job_id",
     "normalize_targets",

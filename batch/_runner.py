@@ -34,6 +34,7 @@ from ._errors import (
     IdempotencyKeyMismatchError,
     InvalidTargetsError,
     RunnerClosedError,
+    SubmitError,
     TooManyTargetsError,
 )
 from ._values import (
@@ -51,6 +52,19 @@ from ._values import (
     client_idem_key,
     idem_key,
     normalize_targets,
+)
+from .events import (
+    Event,
+    EventBus,
+    JobCancelled,
+    JobFinished,
+    JobsReaped,
+    JobSubmitted,
+    StoreFailed,
+    SubmissionRefused,
+    Subscriber,
+    TargetStored,
+    log_events,
 )
 
 __all__ = ["Fetch", "Runner", "new_job_id"]
@@ -80,6 +94,8 @@ class _Drain:
 
     job_id: str
     targets: list[Target]
+    caller_class: str = ""
+    started: float = attrs.Factory(time.monotonic)
     stop: threading.Event = attrs.Factory(threading.Event)  # cancel or shutdown asked
     done: threading.Event = attrs.Factory(threading.Event)  # the drain has ended
     shutdown: bool = False
@@ -152,6 +168,7 @@ class Runner:
         clock: the wall-clock time source (aware UTC); tests inject one.
         monotonic: the monotonic time source (seconds) that owner liveness is judged
             by; tests inject one.
+        observers: subscribers to the runner's event stream (see :meth:`subscribe`).
 
     Building a runner registers it as a live *owner* with a heartbeat. Its maintenance
     thread watches every other owner's beat counter and fails, with error
@@ -169,6 +186,7 @@ class Runner:
         *,
         clock: Callable[[], dt.datetime] | None = None,
         monotonic: Callable[[], float] | None = None,
+        observers: Sequence[Subscriber] = (),
     ) -> None:
         self._db = db
         self._fetch = fetch
@@ -177,6 +195,11 @@ class Runner:
         self._clock = clock if clock is not None else dcache.utcnow
         self._mono = monotonic if monotonic is not None else time.monotonic
         self.owner: str = secrets.token_hex(16)
+        self._events = EventBus(
+            [log_events(self._log), *observers],
+            self._log,
+            name=f"batch-events-{self.owner[:8]}",
+        )
         # Guards _drains, _closed, _abandoned and _unresolved only; never held across I/O.
         self._lock = threading.Lock()
         self._drains: dict[str, _Drain] = {}
@@ -200,6 +223,7 @@ class Runner:
         self._maintain_thread = threading.Thread(
             target=self._maintain_loop, name=f"batch-maintain-{self.owner[:8]}", daemon=True
         )
+        self._events.start()
         self._beat_thread.start()
         self._maintain_thread.start()
 
@@ -212,6 +236,33 @@ class Runner:
     def db(self) -> dcache.DB:
         """The store the runner writes to."""
         return self._db
+
+    def subscribe(self, fn: Subscriber) -> Callable[[], None]:
+        """Call ``fn(event)`` for every event from now on; return an unsubscribe function.
+
+        Events (``batch.events``) arrive in order on the runner's dispatcher thread, never
+        on a drain or request thread: a subscriber that raises is logged and skipped, one
+        that is slow delays only the events after it.
+        """
+        return self._events.subscribe(fn)
+
+    @property
+    def events_dropped(self) -> int:
+        """Events dropped because subscribers fell more than 65,536 events behind."""
+        return self._events.dropped
+
+    def _emit(self, event: Event) -> None:
+        self._events.emit(event)
+
+    def _store_failed(self, operation: str, exc: BaseException) -> None:
+        self._emit(
+            StoreFailed(
+                self._clock(),
+                operation,
+                isinstance(exc, StoreUnavailableError),
+                _storable(_describe(exc), 500),
+            )
+        )
 
     @property
     def fetch(self) -> Fetch:
@@ -248,6 +299,31 @@ class Runner:
             RunnerClosedError: :meth:`close` was called.
             dcache.StoreError: the database failed (``StoreUnavailableError``: retry).
         """
+        try:
+            job_id, reused, total = self._submit(caller, caller_class, targets, idempotency_key)
+        except (SubmitError, StoreError, RunnerClosedError) as exc:
+            self._emit(
+                SubmissionRefused(
+                    self._clock(),
+                    caller if isinstance(caller, str) else "",
+                    caller_class if isinstance(caller_class, str) else "",
+                    _refusal(exc),
+                    _storable(str(exc), 500),
+                )
+            )
+            if isinstance(exc, StoreError):
+                self._store_failed("submit", exc)
+            raise
+        self._emit(JobSubmitted(self._clock(), job_id, caller, caller_class, total, reused))
+        return job_id, reused
+
+    def _submit(
+        self,
+        caller: str,
+        caller_class: str,
+        targets: Sequence[Any],
+        idempotency_key: str | None,
+    ) -> tuple[str, bool, int]:
         if self._closed:
             raise RunnerClosedError("the runner is closed and takes no more submissions")
         for value, what in ((caller, "caller"), (caller_class, "caller_class")):
@@ -271,7 +347,7 @@ class Runner:
             found = self._db.batch_job_by_idem(caller, key, now=now)
             if found is not None:
                 self._check_same_payload(found.id, items, idempotency_key)
-                return found.id, True
+                return found.id, True, found.targets_total
             raise TooManyTargetsError(len(items), cfg.targets_per_job)
         job_id = new_job_id()
         # Until its drain has started, the job may exist with none: if the submit raises
@@ -304,20 +380,13 @@ class Runner:
             assert outcome.job is not None
             self._adopt(outcome.job)
             self._check_same_payload(outcome.job.id, items, idempotency_key)
-            return outcome.job.id, True
+            return outcome.job.id, True, outcome.job.targets_total
         if outcome.kind == "caller_busy":
             raise CallerBusyError(caller, outcome.live, cfg.jobs_per_caller)
         if outcome.kind == "busy":
             raise BusyError(outcome.live, cfg.jobs_total)
-        self._start(job_id, items)
-        self._log.info(
-            "job %s submitted by %s: %d target(s)",
-            job_id,
-            caller,
-            len(items),
-            extra={"job_id": job_id},
-        )
-        return job_id, False
+        self._start(job_id, items, caller_class)
+        return job_id, False, len(items)
 
     def _check_same_payload(
         self, job_id: str, items: list[Target], idempotency_key: str | None
@@ -339,9 +408,9 @@ class Runner:
         with self._lock:
             pending = self._unresolved.get(row.id)
         if pending is not None:
-            self._start(row.id, pending.items)
+            self._start(row.id, pending.items, row.caller_class)
 
-    def _start(self, job_id: str, items: list[Target]) -> None:
+    def _start(self, job_id: str, items: list[Target], caller_class: str) -> None:
         """Start the job's drain thread; settle the job if it cannot start.
 
         Raises:
@@ -349,7 +418,7 @@ class Runner:
                 ``"shutdown"`` and its idempotency key released, so a retry of the same
                 submission makes a fresh job instead of getting this never-run one.
         """
-        drain = _Drain(job_id, items)
+        drain = _Drain(job_id, items, caller_class)
         drain.thread = threading.Thread(
             target=self._drain, args=(drain,), name=f"batch-job-{job_id}", daemon=True
         )
@@ -422,7 +491,7 @@ class Runner:
                 extra={"job_id": job_id},
             )
             try:
-                self._start(job_id, entry.items)
+                self._start(job_id, entry.items, row.caller_class)
             except RunnerClosedError:
                 pass
             except BaseException as exc:
@@ -440,13 +509,29 @@ class Runner:
                     if drain.stop.is_set():
                         stopped_early = True
                         break
+                    fetch_started = time.monotonic()
                     fields = self._call_fetch(job_id, idx, target)
+                    store_started = time.monotonic()
                     outcome = self._store(writer, job_id, idx, fields)
                     if outcome is None:  # the store gave up; the job is left to be failed
                         break
+                    self._emit(
+                        TargetStored(
+                            self._clock(),
+                            job_id,
+                            idx,
+                            drain.caller_class,
+                            fields["status"],
+                            store_started - fetch_started,
+                            time.monotonic() - store_started,
+                            len(fields.get("result") or "") if fields["status"] == "done" else 0,
+                        )
+                    )
                     if not outcome.running:
                         if outcome.status and not outcome.finished:
                             stopped_early = True
+                        else:
+                            self._finished(drain, outcome.status)
                         break
             if stopped_early:
                 self._finish_stopped(drain)
@@ -459,13 +544,29 @@ class Runner:
                 self._drains.pop(job_id, None)
             drain.done.set()
 
+    def _finished(self, drain: _Drain, status: str, error: str = "") -> None:
+        self._emit(
+            JobFinished(
+                self._clock(),
+                drain.job_id,
+                drain.caller_class,
+                status,
+                error,
+                time.monotonic() - drain.started,
+            )
+        )
+
     def _finish_stopped(self, drain: _Drain) -> None:
         now = self._clock()
         try:
-            if drain.shutdown:
-                self._db.fail_job(drain.job_id, "shutdown", now=now)
-            self._db.mark_finished(drain.job_id, now=now)
-        except StoreError:
+            if drain.shutdown and self._db.fail_job(drain.job_id, "shutdown", now=now):
+                self._finished(drain, "failed", "shutdown")
+            elif self._db.mark_finished(drain.job_id, now=now):
+                job = self._db.get_job(drain.job_id, now=now)
+                if job is not None:
+                    self._finished(drain, job.status, job.error)
+        except StoreError as exc:
+            self._store_failed("mark_finished", exc)
             self._log.error(
                 "could not record the end of job %s",
                 drain.job_id,
@@ -620,9 +721,10 @@ class Runner:
                         idx,
                         extra=extra,
                     )
-                except StoreUnavailableError:
+                except StoreUnavailableError as exc:
                     now = time.monotonic()
                     if outage_since is None:
+                        self._store_failed("write_target", exc)
                         outage_since = now
                         self._log.warning(
                             "storing job %s target %d failed; retrying for up to %.0f s",
@@ -648,6 +750,7 @@ class Runner:
                 extra=extra,
             )
         except StoreError as exc:
+            self._store_failed("write_target", exc)
             if fields["status"] == "done":
                 # The database refused this result: store the target as failed instead.
                 self._log.error(
@@ -746,7 +849,7 @@ class Runner:
             drain = self._drains.get(job_id)
         if drain is not None:
             drain.stop.set()
-        self._log.info("job %s cancelled", job_id, extra={"job_id": job_id})
+        self._emit(JobCancelled(self._clock(), job_id))
         return True
 
     def wait(self, job_id: str, timeout: float | None = None) -> Job | None:
@@ -831,6 +934,7 @@ class Runner:
         for owner in dead:
             self._seen.pop(owner, None)
         if n:
+            self._emit(JobsReaped(self._clock(), n, tuple(sorted(dead))))
             self._log.warning("marked %d orphaned job(s) failed: their runner stopped", n)
         return n
 
@@ -840,8 +944,9 @@ class Runner:
         while not self._stopping.wait(period):
             try:
                 self._db.heartbeat(self.owner, now=self._clock(), stale_after=self._stale_after)
-            except StoreError:
+            except StoreError as exc:
                 self._beat_failed = True
+                self._store_failed("heartbeat", exc)
                 self._log.warning("heartbeat failed; retrying next period", exc_info=True)
             except BaseException:
                 self._beat_failed = True
@@ -854,7 +959,8 @@ class Runner:
             for step in (self.check_owners, self._retry_abandoned, self._resolve_unresolved):
                 try:
                     step()
-                except StoreError:
+                except StoreError as exc:
+                    self._store_failed(step.__name__.strip("_"), exc)
                     self._log.warning("%s failed; retrying next period", step.__name__)
                 except BaseException:
                     self._log.critical(
@@ -931,6 +1037,7 @@ class Runner:
                 self._db.remove_owner(self.owner)
         except StoreError:
             self._log.warning("could not remove owner row %s", self.owner, exc_info=True)
+        self._events.close()
 
     def __enter__(self) -> Runner:
         return self
@@ -942,6 +1049,21 @@ class Runner:
         with self._lock:
             n = len(self._drains)
         return f"<batch.Runner owner={self.owner[:8]} live={n} closed={self._closed}>"
+
+
+def _refusal(exc: BaseException) -> str:
+    """The ``SubmissionRefused.reason`` for an exception that refused a submission."""
+    for kind, reason in (
+        (TooManyTargetsError, "too_many_targets"),
+        (CallerBusyError, "caller_busy"),
+        (BusyError, "busy"),
+        (IdempotencyKeyMismatchError, "key_mismatch"),
+        (InvalidTargetsError, "invalid"),
+        (RunnerClosedError, "closed"),
+    ):
+        if isinstance(exc, kind):
+            return reason
+    return "store"
 
 
 def _timeout(timeout: float | None) -> float | None:

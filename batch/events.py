@@ -1,0 +1,237 @@
+"""The runner's event stream: typed events, delivered to subscribers off the drain's path.
+
+Every moment that matters (a submission decided or refused, a target stored, a job's end,
+a cancel, a reap, a store error) becomes one frozen event. The runner puts it on a bounded
+queue (a non-blocking put: bounded work on the emitting thread) and one dispatcher thread
+per runner hands it to each subscriber in turn. A subscriber that raises is logged and
+skipped; one that is slow delays only later events, never a drain or a request. When the
+queue is full, events are dropped and counted (:attr:`EventBus.dropped`) rather than
+stalling anybody.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+import attrs
+
+__all__ = [
+    "Event",
+    "EventBus",
+    "JobCancelled",
+    "JobFinished",
+    "JobSubmitted",
+    "JobsReaped",
+    "StoreFailed",
+    "SubmissionRefused",
+    "Subscriber",
+    "TargetStored",
+    "log_events",
+]
+
+
+@attrs.frozen
+class JobSubmitted:
+    """A submission was accepted: a new job (``reused`` False) or an existing one."""
+
+    at: dt.datetime
+    job_id: str
+    caller: str
+    caller_class: str
+    targets: int
+    reused: bool
+
+
+@attrs.frozen
+class SubmissionRefused:
+    """A submission was refused.
+
+    ``reason`` is one of ``"too_many_targets"``, ``"caller_busy"``, ``"busy"``,
+    ``"invalid"``, ``"key_mismatch"``, ``"closed"`` or ``"store"`` (the store failed).
+    """
+
+    at: dt.datetime
+    caller: str
+    caller_class: str
+    reason: str
+    detail: str = ""
+
+
+@attrs.frozen
+class TargetStored:
+    """A target's outcome was stored (``status`` ``"done"`` or ``"failed"``)."""
+
+    at: dt.datetime
+    job_id: str
+    idx: int
+    caller_class: str
+    status: str
+    fetch_seconds: float
+    store_seconds: float
+    result_bytes: int
+
+
+@attrs.frozen
+class JobFinished:
+    """A job drained by this runner reached its end and its drain stopped.
+
+    ``status`` is the terminal status; ``duration_seconds`` runs from the submit to the
+    end as this runner's clock saw it.
+    """
+
+    at: dt.datetime
+    job_id: str
+    caller_class: str
+    status: str
+    error: str
+    duration_seconds: float
+
+
+@attrs.frozen
+class JobCancelled:
+    """This runner cancelled a live job (drained here or by another process)."""
+
+    at: dt.datetime
+    job_id: str
+
+
+@attrs.frozen
+class JobsReaped:
+    """This runner failed ``count`` live jobs of owners it found dead."""
+
+    at: dt.datetime
+    count: int
+    owners: tuple[str, ...]
+
+
+@attrs.frozen
+class StoreFailed:
+    """A store operation failed (``transient``: the kind a retry may cure)."""
+
+    at: dt.datetime
+    operation: str
+    transient: bool
+    error: str
+
+
+Event = (
+    JobSubmitted
+    | SubmissionRefused
+    | TargetStored
+    | JobFinished
+    | JobCancelled
+    | JobsReaped
+    | StoreFailed
+)
+Subscriber = Callable[[Event], object]
+
+_STOP = object()
+
+
+class EventBus:
+    """A bounded queue and one dispatcher thread that calls the subscribers."""
+
+    def __init__(
+        self,
+        subscribers: list[Subscriber],
+        log: logging.Logger,
+        *,
+        name: str,
+        maxsize: int = 65536,
+    ) -> None:
+        self._log = log
+        self._lock = threading.Lock()
+        self._subscribers: tuple[Subscriber, ...] = tuple(subscribers)
+        self._queue: queue.Queue[object] = queue.Queue(maxsize)
+        self._name = name
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.dropped = 0
+
+    def subscribe(self, fn: Subscriber) -> Callable[[], None]:
+        """Add a subscriber; return a function that removes it again."""
+        if not callable(fn):
+            raise TypeError(f"a subscriber must be callable, not {type(fn).__name__}")
+        with self._lock:
+            self._subscribers = (*self._subscribers, fn)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                self._subscribers = tuple(s for s in self._subscribers if s is not fn)
+
+        return unsubscribe
+
+    def emit(self, event: Event) -> None:
+        """Queue an event without blocking; drop (and count) it when the queue is full."""
+        if not self._subscribers or self._closed:
+            return
+        try:
+            self._queue.put_nowait(event)
+        except queue.Full:
+            self.dropped += 1
+
+    def start(self) -> None:
+        """Start the dispatcher thread (idempotent)."""
+        if self._thread is not None:
+            return
+        with self._lock:
+            if self._thread is None and not self._closed:
+                thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                thread.start()
+                self._thread = thread
+
+    def _run(self) -> None:
+        while True:
+            event = self._queue.get()
+            if event is _STOP:
+                return
+            for fn in self._subscribers:
+                try:
+                    fn(event)  # type: ignore[arg-type]
+                except BaseException:
+                    self._log.error(
+                        "event subscriber %r failed on %s", fn, type(event).__name__, exc_info=True
+                    )
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Deliver what is queued (within ``timeout``), then stop the dispatcher."""
+        with self._lock:
+            self._closed = True
+            thread = self._thread
+        if thread is None:
+            return
+        try:
+            self._queue.put(_STOP, timeout=timeout)
+        except queue.Full:
+            return
+        thread.join(timeout)
+
+
+def log_events(log: logging.Logger) -> Subscriber:
+    """The subscriber behind the runner's INFO-level log lines about jobs."""
+
+    def subscriber(event: Event) -> None:
+        if isinstance(event, JobSubmitted) and not event.reused:
+            log.info(
+                "job %s submitted by %s: %d target(s)",
+                event.job_id,
+                event.caller,
+                event.targets,
+                extra={"job_id": event.job_id},
+            )
+        elif isinstance(event, JobCancelled):
+            log.info("job %s cancelled", event.job_id, extra={"job_id": event.job_id})
+        elif isinstance(event, JobFinished):
+            log.info(
+                "job %s finished: %s%s",
+                event.job_id,
+                event.status,
+                f" ({event.error})" if event.error else "",
+                extra={"job_id": event.job_id},
+            )
+
+    return subscriber

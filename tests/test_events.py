@@ -1,0 +1,191 @@
+"""The event stream (issue 13): what is emitted, and that no subscriber can harm a drain."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+from collections.abc import Iterator
+
+import pytest
+from _fetchers import WAIT, FakeFetch, wait_for
+
+import batch
+import dcache
+from batch import events
+
+CONFIG = batch.Config(heartbeat=dt.timedelta(seconds=30), jobs_per_caller=1, jobs_total=8)
+
+
+class Recorder:
+    """A subscriber that keeps every event."""
+
+    def __init__(self) -> None:
+        self.events: list[events.Event] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, event: events.Event) -> None:
+        with self.lock:
+            self.events.append(event)
+
+    def of(self, kind: type) -> list[events.Event]:
+        with self.lock:
+            return [e for e in self.events if isinstance(e, kind)]
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeFetch]:
+    f = FakeFetch()
+    yield f
+    f.release_all()
+
+
+def boom(target: batch.Target) -> batch.Result:
+    raise batch.FetchError("gone", hint="check the URL")
+
+
+def test_a_jobs_life_is_told_in_order_with_its_numbers(db: dcache.DB, fake: FakeFetch) -> None:
+    """Submitted, one TargetStored per target (status, timings, bytes), then JobFinished."""
+    rec = Recorder()
+    fake.behave("https://e.com/b", boom)
+    with batch.Runner(db, fake, CONFIG, observers=[rec]) as runner:
+        job_id, _ = runner.submit(
+            "alice", "gold", [{"url": "https://e.com/a"}, {"url": "https://e.com/b"}]
+        )
+        assert runner.wait(job_id, timeout=WAIT) is not None
+        assert runner.submit(
+            "alice", "gold", [{"url": "https://e.com/a"}, {"url": "https://e.com/b"}]
+        ) == (job_id, True)
+        wait_for(lambda: len(rec.of(events.JobSubmitted)) == 2, "the reuse event")
+    kinds = [type(e).__name__ for e in rec.events]
+    assert kinds == ["JobSubmitted", "TargetStored", "TargetStored", "JobFinished", "JobSubmitted"]
+    created, a, b, finished, reused = rec.events
+    assert isinstance(created, events.JobSubmitted)
+    assert (
+        created.job_id,
+        created.caller,
+        created.caller_class,
+        created.targets,
+        created.reused,
+    ) == (
+        job_id,
+        "alice",
+        "gold",
+        2,
+        False,
+    )
+    assert isinstance(a, events.TargetStored) and isinstance(b, events.TargetStored)
+    assert (a.idx, a.status, a.caller_class) == (0, "done", "gold")
+    assert a.result_bytes > len("content of https://e.com/a")
+    assert (b.idx, b.status, b.result_bytes) == (1, "failed", 0)
+    assert a.fetch_seconds >= 0 and a.store_seconds > 0
+    assert isinstance(finished, events.JobFinished)
+    assert (finished.job_id, finished.status, finished.caller_class) == (job_id, "partial", "gold")
+    assert finished.duration_seconds > 0
+    assert isinstance(reused, events.JobSubmitted) and reused.reused
+
+
+def test_refusals_and_cancels_are_events_too(db: dcache.DB, fake: FakeFetch) -> None:
+    """Which cap or which validation refused a submission is what operators alert on."""
+    rec = Recorder()
+    fake.block("https://e.com/slow")
+    with batch.Runner(db, fake, CONFIG, observers=[rec]) as runner:
+        job_id, _ = runner.submit("alice", "free", [{"url": "https://e.com/slow"}])
+        with pytest.raises(batch.CallerBusyError):
+            runner.submit("alice", "free", [{"url": "https://e.com/other"}])
+        with pytest.raises(batch.InvalidTargetsError):
+            runner.submit("alice", "free", [])
+        with pytest.raises(batch.TooManyTargetsError):
+            runner.submit("bob", "free", [{"url": f"https://e.com/{i}"} for i in range(33)])
+        fake.wait_entered("https://e.com/slow")
+        assert runner.cancel(job_id)
+        fake.release("https://e.com/slow")
+        assert runner.wait(job_id, timeout=WAIT) is not None
+        wait_for(lambda: bool(rec.of(events.JobFinished)), "the job's end")
+    refused = rec.of(events.SubmissionRefused)
+    assert [(e.caller, e.reason) for e in refused] == [  # type: ignore[attr-defined]
+        ("alice", "caller_busy"),
+        ("alice", "invalid"),
+        ("bob", "too_many_targets"),
+    ]
+    assert [e.job_id for e in rec.of(events.JobCancelled)] == [job_id]  # type: ignore[attr-defined]
+    [end] = rec.of(events.JobFinished)
+    assert (end.status, end.job_id) == ("cancelled", job_id)  # type: ignore[attr-defined]
+
+
+def test_a_subscriber_that_raises_breaks_nothing(
+    db: dcache.DB, fake: FakeFetch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An observer's bug is logged; drains, submits and the other observers go on."""
+    rec = Recorder()
+
+    def broken(event: events.Event) -> None:
+        raise RuntimeError("observer bug")
+
+    with (
+        caplog.at_level(logging.ERROR, logger="batch"),
+        batch.Runner(db, fake, CONFIG, observers=[broken, rec]) as runner,
+    ):
+        job_id, _ = runner.submit("alice", "free", [{"url": "https://e.com/a"}])
+        job = runner.wait(job_id, timeout=WAIT)
+        assert job is not None and job.status == "done"
+        wait_for(lambda: bool(rec.of(events.JobFinished)), "the other observer's events")
+    assert "event subscriber" in caplog.text and "observer bug" in caplog.text
+
+
+def test_a_subscriber_that_blocks_never_slows_a_drain(db: dcache.DB, fake: FakeFetch) -> None:
+    """A stuck observer (a slow metrics push) must not hold jobs: they finish regardless."""
+    gate = threading.Event()
+    entered = threading.Event()
+
+    def stuck(event: events.Event) -> None:
+        entered.set()
+        gate.wait(WAIT)
+
+    with batch.Runner(db, fake, batch.Config(jobs_per_caller=4), observers=[stuck]) as runner:
+        try:
+            ids = [
+                runner.submit(
+                    "alice", "free", [{"url": f"https://e.com/{i}-{k}"} for k in range(4)]
+                )[0]
+                for i in range(4)
+            ]
+            assert entered.wait(WAIT)
+            for job_id in ids:  # all 16 targets stored while the observer is stuck
+                job = runner.wait(job_id, timeout=WAIT)
+                assert job is not None and job.status == "done"
+            assert not gate.is_set()
+        finally:
+            gate.set()
+
+
+def test_unsubscribe_stops_delivery(db: dcache.DB, fake: FakeFetch) -> None:
+    """subscribe() hands back the way to stop listening (the dashboard's live view)."""
+    rec = Recorder()
+    with batch.Runner(db, fake, CONFIG) as runner:
+        stop = runner.subscribe(rec)
+        job_id, _ = runner.submit("alice", "free", [{"url": "https://e.com/a"}])
+        assert runner.wait(job_id, timeout=WAIT) is not None
+        wait_for(lambda: bool(rec.of(events.JobFinished)), "the first job's end")
+        stop()
+        seen = len(rec.events)
+        job_id, _ = runner.submit("bob", "free", [{"url": "https://e.com/b"}])
+        assert runner.wait(job_id, timeout=WAIT) is not None
+    assert len(rec.events) == seen
+    with pytest.raises(TypeError):
+        runner.subscribe("not callable")  # type: ignore[arg-type]
+
+
+def test_a_full_queue_drops_and_counts_instead_of_blocking() -> None:
+    """The emitting thread never waits: past the bound, events are dropped and counted."""
+    gate = threading.Event()
+    bus = events.EventBus(
+        [lambda e: gate.wait(WAIT)], logging.getLogger("batch"), name="t", maxsize=2
+    )
+    bus.start()
+    at = dt.datetime.now(dt.timezone.utc)
+    for i in range(10):
+        bus.emit(events.JobCancelled(at, str(i)))
+    assert bus.dropped >= 7
+    gate.set()
+    bus.close()
