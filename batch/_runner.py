@@ -314,7 +314,8 @@ class Runner:
             if isinstance(exc, StoreError):
                 self._store_failed("submit", exc)
             raise
-        self._emit(JobSubmitted(self._clock(), job_id, caller, caller_class, total, reused))
+        if reused:  # a new job's event went out before its drain started (see _submit)
+            self._emit(JobSubmitted(self._clock(), job_id, caller, caller_class, total, True))
         return job_id, reused
 
     def _submit(
@@ -385,7 +386,8 @@ class Runner:
             raise CallerBusyError(caller, outcome.live, cfg.jobs_per_caller)
         if outcome.kind == "busy":
             raise BusyError(outcome.live, cfg.jobs_total)
-        self._start(job_id, items, caller_class)
+        announce = JobSubmitted(now, job_id, caller, caller_class, len(items), False)
+        self._start(job_id, items, caller_class, announce)
         return job_id, False, len(items)
 
     def _check_same_payload(
@@ -410,7 +412,13 @@ class Runner:
         if pending is not None:
             self._start(row.id, pending.items, row.caller_class)
 
-    def _start(self, job_id: str, items: list[Target], caller_class: str) -> None:
+    def _start(
+        self,
+        job_id: str,
+        items: list[Target],
+        caller_class: str,
+        announce: JobSubmitted | None = None,
+    ) -> None:
         """Start the job's drain thread; settle the job if it cannot start.
 
         Raises:
@@ -436,6 +444,8 @@ class Runner:
             raise RunnerClosedError("the runner was closed while the job was being submitted")
         if settled:
             return
+        if announce is not None:  # before the drain starts: no TargetStored comes first
+            self._emit(announce)
         try:
             drain.thread.start()
         except BaseException:

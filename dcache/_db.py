@@ -31,10 +31,12 @@ from sqlalchemy import (
 from sqlalchemy import exc as sa_exc
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.engine import make_url
-from sqlalchemy.pool import NullPool, QueuePool
+from sqlalchemy.engine.base import OptionEngine
+from sqlalchemy.pool import NullPool, Pool, QueuePool
 from sqlalchemy.schema import CreateColumn
 
 from ._errors import SchemaVersionError, StoreError, is_sqlite_busy, wrap_errors
+from ._prepared import Prepared
 from ._rows import JobRow, NewTarget, OwnerRow, SubmitOutcome, TargetRow, WriteOutcome
 from ._schema import (
     GLOBAL_LOCK,
@@ -49,6 +51,7 @@ from ._schema import (
     owners,
     targets,
 )
+from ._writer import GroupWriter
 
 __all__ = ["DB", "Writer", "utcnow"]
 
@@ -143,47 +146,70 @@ def _install_sqlite_begin(engine: Engine) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
 
 
-def _control_engine(engine: Engine) -> Engine | None:
-    """A second engine on a pool of its own, for the owner heartbeat and reaping.
+def _aux_engine(engine: Engine) -> Engine | None:
+    """Another engine on a pool of its own (the heartbeat's, the group writer's).
 
-    Drains hold pooled connections for a job's life; with more live jobs than the pool
-    holds, a heartbeat sharing that pool would wait at checkout, miss its beats and get
-    its own live jobs reaped by peers. The new pool has the same creator, settings and
-    pool-level hooks (``Pool.recreate``) and opens connections only when used: one, for
-    the heartbeat thread. ``None`` for pools that cannot be duplicated safely (a
-    ``StaticPool`` or ``SingletonThreadPool`` would open a second, empty in-memory
-    database): those share the one connection anyway.
+    A heartbeat sharing the pool with everything else could wait at checkout behind a
+    full pool, miss its beats and get its own live jobs reaped by peers. The new pool has
+    the same creator, settings and pool-level hooks (``Pool.recreate``) and opens
+    connections only when used: one, for its one user. The engine shares the parent's
+    dialect, options and engine events (``echo``, tracing, our SQLite ``BEGIN`` hook), as
+    ``Engine.execution_options`` engines do. ``None`` for pools that cannot be duplicated
+    safely (a ``StaticPool`` or ``SingletonThreadPool`` would open a second, empty
+    in-memory database): those share the one connection anyway.
     """
     if not isinstance(engine.pool, (QueuePool, NullPool)):
         return None
-    ctl = Engine(engine.pool.recreate(), engine.dialect, engine.url)
-    if engine.dialect.name == "sqlite":
-        _install_sqlite_begin(ctl)
-    return ctl
+    return _PoolOfItsOwn(engine, engine.pool.recreate())
+
+
+class _PoolOfItsOwn(OptionEngine):
+    """An engine like ``engine.execution_options()`` but on a pool of its own."""
+
+    def __init__(self, proxied: Engine, pool: Pool) -> None:
+        self.__dict__["_own_pool"] = pool
+        super().__init__(proxied, {})
+
+    @property
+    def pool(self) -> Pool:
+        return self.__dict__["_own_pool"]  # type: ignore[no-any-return]
+
+    @pool.setter
+    def pool(self, pool: Pool) -> None:
+        self.__dict__["_own_pool"] = pool
+
+    def dispose(self, close: bool = True) -> None:
+        """Close this pool's connections only (never the parent engine's)."""
+        self.pool.dispose()
+
+
+def _job_from(values: Sequence[Any]) -> JobRow:
+    """A job row from its columns' values in table order (see ``_JOB_COLS``)."""
+    m = dict(zip(_JOB_NAMES, values, strict=True))
+    ttl = dt.timedelta(microseconds=m.pop("ttl_us"))
+    if m["status"] in LIVE:
+        # A live job's lease is its last write + ttl; the per-target write does not store
+        # it (the expiry index is left alone on the hot path, see dcache._writer).
+        m["expires_at"] = m["updated_at"] + ttl
+    return JobRow(ttl=ttl, **m)
 
 
 def _job_row(row: Row[Any]) -> JobRow:
-    m = row._mapping
-    return JobRow(
-        id=m["id"],
-        caller=m["caller"],
-        caller_class=m["caller_class"],
-        idem_key=m["idem_key"],
-        status=m["status"],
-        error=m["error"],
-        targets_total=m["targets_total"],
-        targets_done=m["targets_done"],
-        targets_failed=m["targets_failed"],
-        owner=m["owner"],
-        ttl=dt.timedelta(microseconds=m["ttl_us"]),
-        created_at=m["created_at"],
-        updated_at=m["updated_at"],
-        expires_at=m["expires_at"],
-        finished_at=m["finished_at"],
-    )
+    return _job_from(tuple(row))
 
 
 _JOB_COLS = [c for c in jobs.c]
+_JOB_NAMES = [c.name for c in _JOB_COLS]
+_TARGET_COLS = [
+    targets.c.idx,
+    targets.c.url,
+    targets.c.options,
+    targets.c.status,
+    targets.c.result,
+    targets.c.error,
+    targets.c.hint,
+    targets.c.updated_at,
+]
 
 
 # "Live" with the statuses inlined: an expanding IN parameter is re-rendered per execute.
@@ -213,6 +239,12 @@ _Q_IDEM = (
     .limit(1)
 )
 _Q_LIVE_ALL = select(func.count()).select_from(jobs).where(_LIVE_IN)
+_Q_STATUS = (
+    select(*_JOB_COLS, *_TARGET_COLS)
+    .select_from(jobs.outerjoin(targets, targets.c.job_id == jobs.c.id))
+    .where(jobs.c.id == bindparam("job_id"), _visible(bindparam("now", type_=UTCDateTime)))
+    .order_by(targets.c.idx)
+)
 _Q_LIVE_CALLER = _Q_LIVE_ALL.where(jobs.c.caller == bindparam("c"))
 
 
@@ -242,11 +274,19 @@ class DB:
             # still see the snapshot from before it, and the caps would overshoot.
             self._engine = engine.execution_options(isolation_level="READ COMMITTED")
         self._wengine = self._engine.execution_options(**{_WRITE: True})
-        self._ctl_raw = _control_engine(engine)
-        ctl = self._ctl_raw if self._ctl_raw is not None else engine
-        if self.dialect != "sqlite":
-            ctl = ctl.execution_options(isolation_level="READ COMMITTED")
-        self._wctl = ctl.execution_options(**{_WRITE: True})
+        # Two more pools of the same connections, each opening one when first used: the
+        # heartbeat's (never starved by anything else) and the group writer's (held
+        # across batches; reads and submits never wait behind drains for it).
+        self._aux_raw = [
+            e for e in (_aux_engine(self._engine), _aux_engine(self._engine)) if e is not None
+        ]
+        ctl, writer = self._aux_raw if len(self._aux_raw) == 2 else (engine, engine)
+        self._wctl = self._writing(ctl)
+        self._wwriter = self._writing(writer)
+        self._group = GroupWriter(self)
+        self._status_read = Prepared(
+            _Q_STATUS, engine.dialect, [c.type for c in (*_JOB_COLS, *_TARGET_COLS)]
+        )
         self._closed = False
         try:
             self._create_schema()
@@ -347,9 +387,10 @@ class DB:
             self._dispose()
 
     def _dispose(self) -> None:
-        if self._ctl_raw is not None:
-            # Always ours, even on a caller's engine: only its connections are closed.
-            self._ctl_raw.dispose()
+        self._group.close()
+        for aux in self._aux_raw:
+            # Always ours, even on a caller's engine: only their own connections are closed.
+            aux.dispose()
         if self._owns_engine:
             self._engine.dispose()
         if self._keeper is not None:
@@ -675,58 +716,18 @@ class DB:
         if not _findable(job_id):
             return None
         now = _now(now)
-        dialect = self._engine.dialect
-        sql = _SQL_STATUS.replace("?", "?" if dialect.paramstyle == "qmark" else "%s")
-        sqlite = dialect.name == "sqlite"
-        at = _sqlite_time(now) if sqlite else _naive_utc(now)
-        # Status polling is the hot read: one statement on the DBAPI cursor, converting
-        # only what is needed (the job's columns once, not once per target row).
+        status = self._status_read
+        # Status polling is the hot read: one prepared statement, the job's columns
+        # converted once (from the first row), the targets' from every row.
         with self._engine.connect() as conn:
-            dbapi: Any = conn.connection.driver_connection
-            cursor = dbapi.cursor()
-            try:
-                cursor.execute(sql, (job_id, at))
-                rows = cursor.fetchall()
-            except Exception as exc:
-                _reraise_dbapi(conn, exc, sql, cursor)
-                raise
-            finally:
-                cursor.close()
-        if not rows:
+            rows = conn.exec_driver_sql(status.sql, status.params({"job_id": job_id, "now": now}))
+            raw = rows.fetchall()
+        if not raw:
             return None
-        when = _from_sqlite if sqlite else _from_naive
-        first = rows[0]
-        job = JobRow(
-            id=first[0],
-            caller=first[1],
-            caller_class=first[2],
-            idem_key=first[3],
-            status=first[4],
-            error=first[5],
-            targets_total=int(first[6]),
-            targets_done=int(first[7]),
-            targets_failed=int(first[8]),
-            owner=first[9],
-            ttl=dt.timedelta(microseconds=int(first[10])),
-            created_at=when(first[11]),
-            updated_at=when(first[12]),
-            expires_at=when(first[13]),
-            finished_at=when(first[14]) if first[14] is not None else None,
-        )
-        out = [
-            TargetRow(
-                idx=int(r[15]),
-                url=r[16],
-                options=r[17],
-                status=r[18],
-                result=r[19],
-                error=r[20],
-                hint=r[21],
-                updated_at=when(r[22]) if r[22] is not None else None,
-            )
-            for r in rows
-            if r[15] is not None
-        ]
+        first = status.convert(raw[0])
+        job = _job_from(first[: len(_JOB_COLS)])
+        t0 = len(_JOB_COLS)
+        out = [TargetRow(*status.convert(r, start=t0)[t0:]) for r in raw if r[t0] is not None]
         return job, out
 
     @wrap_errors
@@ -754,14 +755,20 @@ class DB:
     # -- the drain's write --------------------------------------------------------------
 
     def writer(self) -> Writer:
-        """A writer that holds one connection for a drain's life (use it as a context).
-
-        A drain writes each target in its own transaction; reusing one connection saves
-        a pool checkout and a reset round trip per target. A connection that fails is
-        dropped and replaced on the next write.
-        """
+        """A drain's writer (a context manager); it holds no connection of its own."""
         return Writer(self)
 
+    def _write_connection(self) -> Connection:
+        """A connection for the group-commit writer, which keeps it across batches."""
+        return self._wwriter.connect()
+
+    def _writing(self, engine: Engine) -> Engine:
+        """``engine`` set up for write transactions as the store makes them."""
+        if self.dialect != "sqlite":
+            engine = engine.execution_options(isolation_level="READ COMMITTED")
+        return engine.execution_options(**{_WRITE: True})
+
+    @wrap_errors
     def write_target(
         self,
         job_id: str,
@@ -776,23 +783,27 @@ class DB:
     ) -> WriteOutcome:
         """Store one target's outcome and move the job along, in one transaction.
 
-        Compare-and-set: only a ``pending`` target is written. The job's lease moves to
-        ``now + ttl`` and its counters advance; if this was the last target of a running
+        Compare-and-set: only a ``pending`` target is written. The job's counters advance
+        and its lease moves to ``now + ttl``; if this was the last target of a running
         job, the terminal status (``done``/``failed``/``partial``) is set here, once. If
         the job is no longer live (cancelled, or failed by a reaper), the target is still
         stored and the job is marked finished, so its drain stops after this write.
+
+        Writes of concurrent drains are committed together (group commit, see
+        ``dcache._writer``); this returns once this write is committed.
         """
-        with self.writer() as w:
-            return w.write_target(
-                job_id,
-                idx,
-                status=status,
-                result=result,
-                error=error,
-                hint=hint,
-                ttl=ttl,
-                now=now,
-            )
+        if status not in ("done", "failed"):
+            raise ValueError(f"a target is written done or failed, not {status!r}")
+        return self._group.write(
+            job_id,
+            idx,
+            status=status,
+            result=result,
+            error=error,
+            hint=hint,
+            ttl=ttl,
+            now=_now(now),
+        )
 
     # -- status changes (compare-and-set, each bumps the lease) -------------------------
 
@@ -1120,97 +1131,16 @@ class DB:
         return gone
 
 
-# The per-target write is the hot path: one transaction per fetched target. It runs as
-# fixed SQL on the held connection's DBAPI cursor, because SQLAlchemy's per-execute work
-# (cache keys, parameter processing, events) costs as much as SQLite's own work for the
-# write. The statements are the ones the schema in _schema.py implies; the store tests
-# hold them to the same behaviour as the rest of the store on every backend.
-_LAST = "status = 'running' AND targets_done + 1 >= targets_total"
-_SQL_TARGET = (
-    "UPDATE batch_target SET status = ?, result = ?, error = ?, hint = ?, updated_at = ? "
-    "WHERE job_id = ? AND idx = ? AND status = 'pending'"
-)
-# Every right-hand side reads only old values: MySQL evaluates SET assignments left to
-# right with the new values, PostgreSQL and SQLite with the old ones; ordering the
-# assignments so that none reads a column set before it makes them agree.
-_SQL_JOB = (
-    "UPDATE batch_job SET "
-    f"finished_at = CASE WHEN ({_LAST}) OR status NOT IN ('queued', 'running') "
-    "THEN COALESCE(finished_at, ?) ELSE finished_at END, "
-    f"status = CASE WHEN {_LAST} THEN (CASE WHEN targets_failed + ? = 0 THEN 'done' "
-    "WHEN targets_failed + ? >= targets_total THEN 'failed' ELSE 'partial' END) "
-    "ELSE status END, "
-    "targets_done = targets_done + 1, targets_failed = targets_failed + ?, "
-    "updated_at = ?, expires_at = ? WHERE id = ?"
-)
-_SQL_JOB_READ = "SELECT status, finished_at FROM batch_job WHERE id = ?"
-
-
-_SQL_STATUS = (
-    "SELECT j.id, j.caller, j.caller_class, j.idem_key, j.status, j.error, j.targets_total, "
-    "j.targets_done, j.targets_failed, j.owner, j.ttl_us, j.created_at, j.updated_at, "
-    "j.expires_at, j.finished_at, t.idx, t.url, t.options, t.status, t.result, t.error, "
-    "t.hint, t.updated_at FROM batch_job j LEFT OUTER JOIN batch_target t ON t.job_id = j.id "
-    "WHERE j.id = ? AND (j.expires_at > ? OR j.status IN ('queued', 'running')) "
-    "ORDER BY t.idx"
-)
-
-
-def _from_sqlite(value: Any) -> dt.datetime:
-    if isinstance(value, dt.datetime):
-        return value.replace(tzinfo=dt.timezone.utc)
-    return dt.datetime.fromisoformat(value).replace(tzinfo=dt.timezone.utc)
-
-
-def _from_naive(value: Any) -> dt.datetime:
-    assert isinstance(value, dt.datetime)
-    return value.replace(tzinfo=dt.timezone.utc)
-
-
-def _reraise_dbapi(conn: Connection, exc: BaseException, sql: str, cursor: Any) -> None:
-    """Raise a DBAPI error as SQLAlchemy's (invalidating a dead connection); else return."""
-    dialect = conn.dialect
-    base = getattr(dialect.loaded_dbapi, "Error", ())
-    if not (base and isinstance(exc, base)):
-        return
-    dbapi = conn.connection.driver_connection
-    disconnect = bool(dialect.is_disconnect(exc, dbapi, cursor))
-    if disconnect:
-        with contextlib.suppress(Exception):
-            conn.invalidate(exc)
-    raise sa_exc.DBAPIError.instance(
-        sql, None, exc, base, connection_invalidated=disconnect
-    ) from exc
-
-
-def _sqlite_time(value: dt.datetime) -> str:
-    """A UTC instant as SQLAlchemy's SQLite DATETIME stores it (so comparisons agree)."""
-    return value.astimezone(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")
-
-
-def _naive_utc(value: dt.datetime) -> dt.datetime:
-    return value.astimezone(dt.timezone.utc).replace(tzinfo=None)
-
-
 class Writer:
-    """Per-target writes for one drain, on one held connection (see :meth:`DB.writer`)."""
+    """A drain's handle on the store's per-target write (see :meth:`DB.writer`).
+
+    It holds no connection: every write goes through the store's group-commit writer
+    (``dcache._writer``), which commits the outcomes of all drains waiting at that moment
+    in one transaction on one connection.
+    """
 
     def __init__(self, db: DB) -> None:
         self._db = db
-        self._conn: Connection | None = None
-        self._dbapi: Any = None
-        self._cursor: Any = None
-        dialect = db.engine.dialect
-        self._dialect = dialect
-        self._sqlite = dialect.name == "sqlite"
-        self._returning = self._sqlite or dialect.name == "postgresql"
-        mark = "?" if dialect.paramstyle == "qmark" else "%s"
-        self._sql_target = _SQL_TARGET.replace("?", mark)
-        self._sql_job = _SQL_JOB.replace("?", mark)
-        if self._returning:
-            self._sql_job += " RETURNING status, finished_at"
-        self._sql_read = _SQL_JOB_READ.replace("?", mark)
-        self._time = _sqlite_time if self._sqlite else _naive_utc
 
     def __enter__(self) -> Writer:
         return self
@@ -1219,26 +1149,8 @@ class Writer:
         self.close()
 
     def close(self) -> None:
-        """Give the held connection back to the pool."""
-        conn, self._conn = self._conn, None
-        cursor, self._cursor, self._dbapi = self._cursor, None, None
-        if cursor is not None:
-            with contextlib.suppress(Exception):
-                cursor.close()
-        if conn is not None:
-            with contextlib.suppress(sa_exc.SQLAlchemyError):
-                conn.close()
+        """Nothing to give back (kept for the context-manager protocol)."""
 
-    def _connect(self) -> Any:
-        if self._conn is None:
-            # Connecting through the engine applies the pool, the SQLite hooks and the
-            # READ COMMITTED isolation level to the DBAPI connection.
-            self._conn = self._db._wengine.connect()
-            self._dbapi = self._conn.connection.driver_connection
-            self._cursor = self._dbapi.cursor()
-        return self._cursor
-
-    @wrap_errors
     def write_target(
         self,
         job_id: str,
@@ -1251,58 +1163,10 @@ class Writer:
         ttl: dt.timedelta,
         now: dt.datetime | None = None,
     ) -> WriteOutcome:
-        """As :meth:`DB.write_target`, on the held connection."""
-        if status not in ("done", "failed"):
-            raise ValueError(f"a target is written done or failed, not {status!r}")
-        now = _now(now)
-        at = self._time(now)
-        failed = 1 if status == "failed" else 0
-        sql = ""
-        try:
-            cur = self._connect()
-            if self._sqlite:
-                cur.execute("BEGIN IMMEDIATE")
-            sql = self._sql_target
-            cur.execute(sql, (status, result, error, hint, at, job_id, idx))
-            if cur.rowcount != 1:
-                sql = self._sql_read
-                cur.execute(sql, (job_id,))
-                row = cur.fetchone()
-                self._commit()
-                return WriteOutcome(False, row[0] if row is not None else "")
-            sql = self._sql_job
-            cur.execute(sql, (at, failed, failed, failed, at, self._time(now + ttl), job_id))
-            if not self._returning:
-                sql = self._sql_read
-                cur.execute(sql, (job_id,))
-            row = cur.fetchone()
-            self._commit()
-            return WriteOutcome(True, row[0], finished=row[1] is not None)
-        except BaseException as exc:
-            self._fail(exc, sql)
-            raise
-
-    def _commit(self) -> None:
-        if self._sqlite:
-            self._cursor.execute("COMMIT")
-        else:
-            self._dbapi.commit()
-
-    def _fail(self, exc: BaseException, sql: str) -> None:
-        """Roll back, drop the connection, and re-raise a driver error as SQLAlchemy's."""
-        conn, cursor = self._conn, self._cursor
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                if self._sqlite:
-                    cursor.execute("ROLLBACK")
-                else:
-                    self._dbapi.rollback()
-        try:
-            if conn is not None:
-                _reraise_dbapi(conn, exc, sql, cursor)
-        finally:
-            # Never reuse a connection that failed mid-write.
-            self.close()
+        """As :meth:`DB.write_target`."""
+        return self._db.write_target(
+            job_id, idx, status=status, result=result, error=error, hint=hint, ttl=ttl, now=now
+        )
 
 
 def _sqlite_begin_marker(conn: Connection) -> None:

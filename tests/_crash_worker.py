@@ -108,33 +108,6 @@ def main(argv: list[str]) -> int:
     def _commit(_conn: Any) -> None:
         moments.reached("commit")
 
-    # The per-target write runs on the DBAPI cursor, outside SQLAlchemy's events: watch it
-    # through a cursor proxy and a wrapped commit.
-    real_connect = dcache.Writer._connect
-    real_commit = dcache.Writer._commit
-
-    class WatchedCursor:
-        def __init__(self, cursor: Any) -> None:
-            self._cursor = cursor
-
-        def execute(self, statement: str, *args: Any) -> Any:
-            _statement(None, None, statement)
-            return self._cursor.execute(statement, *args)
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self._cursor, name)
-
-    def watched_connect(writer: dcache.Writer) -> Any:
-        cursor = real_connect(writer)
-        return cursor if isinstance(cursor, WatchedCursor) else WatchedCursor(cursor)
-
-    def watched_commit(writer: dcache.Writer) -> None:
-        moments.reached("commit")
-        real_commit(writer)
-
-    dcache.Writer._connect = watched_connect  # type: ignore[method-assign]
-    dcache.Writer._commit = watched_commit  # type: ignore[method-assign]
-
     log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def fetch(target: batch.Target) -> batch.Result:

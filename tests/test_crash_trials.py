@@ -21,7 +21,6 @@ Set ``DCACHE_CRASH_SEED`` to replay a run; the seed is in every failure message.
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import json
 import os
 import queue
@@ -187,13 +186,16 @@ def recover(url: str, trial: int) -> None:
         if trial % 2 == 0:
             db.mark_in_flight_failed("restart")
         else:
-            # A runner starting "later" sees every dead child's heartbeat as stale.
-            later = dcache.utcnow() + dt.timedelta(hours=1)
+            # A runner that has watched the dead child's beat counter stand still for a
+            # whole staleness window (its monotonic clock moved on by hand) reaps it.
+            elapsed = [0.0]
 
             def never(_t: batch.Target) -> batch.Result:
                 raise AssertionError("recovery must not fetch anything")
 
-            runner = batch.Runner(db, never, batch.Config(), clock=lambda: later)
+            runner = batch.Runner(db, never, batch.Config(), monotonic=lambda: elapsed[0])
+            elapsed[0] += 3 * batch.Config().heartbeat.total_seconds() + 1
+            runner.check_owners()
             runner.close(timeout=10)
     finally:
         db.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -444,8 +445,8 @@ def test_a_write_after_fail_job_is_stored_and_keeps_the_failure(db: DB) -> None:
     assert stored.targets_done == 1
 
 
-def test_a_writer_commits_each_target_on_its_held_connection(db: DB) -> None:
-    """A drain's Writer keeps one connection, yet every write is committed the moment it returns."""
+def test_each_write_is_committed_when_it_returns_and_takes_no_pooled_connection(db: DB) -> None:
+    """The group writer has a connection of its own: reads and submits never wait for it."""
     job = created(db, n=3)
     checked_out = getattr(db.engine.pool, "checkedout", lambda: 0)
     with db.writer() as writer:
@@ -461,16 +462,29 @@ def test_a_writer_commits_each_target_on_its_held_connection(db: DB) -> None:
             assert out.stored
             # Another connection sees it at once: nothing waits for the drain to end.
             assert job_of(db, job.id).targets_done == idx + 1
-            assert checked_out() == 1
+            assert checked_out() == 0
         assert not writer.write_target(job.id, 0, status="done", ttl=TTL, now=T0).stored
         with pytest.raises(ValueError):
             writer.write_target(job.id, 0, status="running", ttl=TTL, now=T0)
         writer.close()
-        assert checked_out() == 0
         writer.close()  # idempotent
     assert checked_out() == 0
     stored = job_of(db, job.id)
     assert (stored.status, stored.targets_done, stored.targets_failed) == ("partial", 3, 1)
+
+
+def _break_statements(db: DB, marker: str, *, table: str = "batch_job") -> Any:
+    """An engine hook that turns the UPDATE of ``table`` for a write whose parameters
+    hold ``marker`` into invalid SQL: a real database error at exactly that statement."""
+
+    def hook(conn: Any, cursor: Any, statement: str, params: Any, context: Any, many: Any) -> Any:
+        values = params.values() if isinstance(params, dict) else params
+        if statement.startswith(f"UPDATE {table}") and any(v == marker for v in values):
+            return "UPDATE no_such_table SET x = 1", params
+        return statement, params
+
+    event.listen(db.engine, "before_cursor_execute", hook, retval=True)
+    return lambda: event.remove(db.engine, "before_cursor_execute", hook)
 
 
 def test_a_failed_write_rolls_back_whole_and_the_writer_recovers(db: DB) -> None:
@@ -478,26 +492,86 @@ def test_a_failed_write_rolls_back_whole_and_the_writer_recovers(db: DB) -> None
     job = created(db, n=2)
     with db.writer() as writer:
         assert writer.write_target(job.id, 0, status="done", ttl=TTL, now=T0).stored
-        # Make the job update (the second statement) fail once, after the target's update.
-        good_sql = writer._sql_job
-        writer._sql_job = "UPDATE no_such_table SET x = 1"
+        # The job update (the second statement) fails, after the target's update.
+        undo = _break_statements(db, job.id)
         try:
             with pytest.raises(dcache.StoreError) as info:
                 writer.write_target(job.id, 1, status="done", result="lost", ttl=TTL, now=T0)
         finally:
-            writer._sql_job = good_sql
+            undo()
         assert not isinstance(info.value, sa_exc.SQLAlchemyError)
         found = db.get_job_with_targets(job.id, now=T0)
         assert found is not None
         assert found[0].targets_done == 1
         assert (found[1][1].status, found[1][1].result) == ("pending", None)
-        # The writer dropped its connection and takes a fresh one for the retry.
         assert writer.write_target(
             job.id, 1, status="done", result="kept", ttl=TTL, now=T0
         ).finished
     found = db.get_job_with_targets(job.id, now=T0)
     assert found is not None
     assert (found[0].status, found[0].targets_done, found[1][1].result) == ("done", 2, "kept")
+
+
+def test_concurrent_drains_share_commits_and_each_gets_its_own_answer(db: DB) -> None:
+    """Group commit: many targets per transaction, every write's outcome its own."""
+    jobs_ = [created(db, caller=f"c{i}", n=8) for i in range(8)]
+    commits_before = db._group.commits
+    barrier = threading.Barrier(len(jobs_))
+    answers: dict[str, list[dcache.WriteOutcome]] = {}
+
+    def drain(job: JobRow) -> None:
+        barrier.wait(10)
+        answers[job.id] = [
+            db.write_target(job.id, i, status="done", result=f"{job.id}:{i}", ttl=TTL, now=T0)
+            for i in range(8)
+        ]
+
+    threads = [threading.Thread(target=drain, args=(j,)) for j in jobs_]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+        assert not t.is_alive()
+    for job in jobs_:
+        assert [a.stored for a in answers[job.id]] == [True] * 8
+        assert [a.status for a in answers[job.id]] == ["running"] * 7 + ["done"]
+        assert answers[job.id][-1].finished
+        found = db.get_job_with_targets(job.id, now=T0)
+        assert found is not None
+        assert [t.result for t in found[1]] == [f"{job.id}:{i}" for i in range(8)]
+    commits = db._group.commits - commits_before
+    assert commits <= 64  # one per write at worst; shared whenever writers overlap
+
+
+def test_an_outcome_the_database_refuses_does_not_fail_the_others_in_its_batch(db: DB) -> None:
+    """One refused result (too large for the server, say) is answered alone; the rest commit."""
+    good = [created(db, caller=f"g{i}", n=1) for i in range(6)]
+    bad = created(db, caller="bad", n=1)
+    undo = _break_statements(db, "refuse me", table="batch_target")
+    errors: dict[str, BaseException] = {}
+    outs: dict[str, dcache.WriteOutcome] = {}
+    barrier = threading.Barrier(7)
+
+    def write(job: JobRow, result: str) -> None:
+        barrier.wait(10)
+        try:
+            outs[job.id] = db.write_target(job.id, 0, status="done", result=result, ttl=TTL, now=T0)
+        except dcache.StoreError as exc:
+            errors[job.id] = exc
+
+    threads = [threading.Thread(target=write, args=(j, "fine")) for j in good]
+    threads.append(threading.Thread(target=write, args=(bad, "refuse me")))
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    finally:
+        undo()
+    assert set(errors) == {bad.id}
+    assert not isinstance(errors[bad.id], dcache.StoreUnavailableError)
+    assert all(outs[j.id] == dcache.WriteOutcome(True, "done", True) for j in good)
+    assert job_of(db, bad.id).targets_done == 0
 
 
 # -- status changes ------------------------------------------------------------------------

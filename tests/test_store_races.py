@@ -265,26 +265,6 @@ def test_purge_does_not_deadlock_with_a_late_write_to_a_lapsed_job(db: DB, backe
         finally:
             purger_done.set()
 
-    # The per-target write runs on the DBAPI cursor: watch its statements through a proxy.
-    real_connect = dcache.Writer._connect
-
-    class WatchedCursor:
-        def __init__(self, cursor: Any) -> None:
-            self._cursor = cursor
-
-        def execute(self, statement: str, *args: Any) -> Any:
-            out = self._cursor.execute(statement, *args)
-            hold_target_lock(None, self._cursor, statement)
-            return out
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self._cursor, name)
-
-    def watched_connect(self: dcache.Writer) -> Any:
-        cursor = real_connect(self)
-        return cursor if isinstance(cursor, WatchedCursor) else WatchedCursor(cursor)
-
-    dcache.Writer._connect = watched_connect  # type: ignore[method-assign]
     event.listen(db.engine, "after_cursor_execute", hold_target_lock)
     try:
         writer = threading.Thread(target=write, name="late-writer")
@@ -297,7 +277,6 @@ def test_purge_does_not_deadlock_with_a_late_write_to_a_lapsed_job(db: DB, backe
         assert not writer.is_alive()
         assert not purger.is_alive()
     finally:
-        dcache.Writer._connect = real_connect  # type: ignore[method-assign]
         event.remove(db.engine, "after_cursor_execute", hold_target_lock)
     errors = {k: v for k, v in results.items() if isinstance(v, BaseException)}
     assert not errors, f"deadlock between write_target and purge_expired: {errors!r}"
@@ -347,7 +326,7 @@ def test_opening_a_fresh_sqlite_file_from_four_processes_at_once_is_safe(
         start = workers.manager.Barrier(4)
         outs = workers.run(procs.open_fresh, [(url, start, f"p{i}") for i in range(4)])
         assert len({pid for pid, _, _ in outs}) == 4
-        assert [(v, kind) for _, v, kind in outs] == [(1, "created")] * 4
+        assert [(v, kind) for _, v, kind in outs] == [(dcache.SCHEMA_VERSION, "created")] * 4
         with DB.open(url) as db, db.engine.begin() as conn:
             assert conn.execute(text("SELECT count(*) FROM dcache_meta")).scalar_one() == 1
             assert (

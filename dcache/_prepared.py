@@ -1,0 +1,92 @@
+"""Core statements compiled once per dialect, for the paths that run on every target.
+
+SQLAlchemy's ``Connection.execute(statement)`` looks the statement up in its compiled
+cache, builds an execution context and processes every parameter on each call: for the
+per-target write that costs as much as SQLite's own work. A :class:`Prepared` is the same
+Core statement, built from the same ``Table`` objects, compiled once for the engine's
+dialect; each call only converts its values with the columns' own bind processors and
+runs the SQL with ``Connection.exec_driver_sql``, so engine events (``echo``, tracing),
+error wrapping and connection invalidation still apply. Rows coming back are converted
+with the result processors of the column types the caller names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from sqlalchemy import Connection
+from sqlalchemy.engine import CursorResult, Dialect
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.elements import ClauseElement
+from sqlalchemy.types import TypeEngine
+
+__all__ = ["Prepared"]
+
+_Processor = Callable[[Any], Any] | None
+
+
+class Prepared:
+    """One Core statement compiled for one dialect (see the module docstring).
+
+    Args:
+        statement: the Core statement; its values to be given per call are
+            ``bindparam(name)`` without a value, everything else is fixed at compile.
+        dialect: the dialect to compile for.
+        result_types: the SQL types of the columns the statement returns, in order, whose
+            result processors :meth:`convert` applies.
+    """
+
+    def __init__(
+        self,
+        statement: ClauseElement,
+        dialect: Dialect,
+        result_types: Sequence[TypeEngine[Any]] = (),
+    ) -> None:
+        compiled = statement.compile(dialect=dialect)
+        assert isinstance(compiled, SQLCompiler)
+        self.sql: str = compiled.string
+        self._positional = bool(compiled.positional)
+        by_name = {name: bind for bind, name in compiled.bind_names.items()}
+        if self._positional:
+            self._order: list[str] = list(compiled.positiontup or ())
+        else:
+            self._order = sorted(by_name)
+        self._fixed: dict[str, Any] = {}
+        self._given: dict[str, _Processor] = {}
+        for name in dict.fromkeys(self._order):
+            bind = by_name[name]
+            process = bind.type.dialect_impl(dialect).bind_processor(dialect)
+            if bind.required:
+                self._given[name] = process
+            else:
+                value = bind.effective_value
+                self._fixed[name] = process(value) if process is not None else value
+        self._results: list[_Processor] = [
+            t.dialect_impl(dialect).result_processor(dialect, None) for t in result_types
+        ]
+
+    def params(self, values: Mapping[str, Any]) -> tuple[Any, ...] | dict[str, Any]:
+        """The driver's parameters for ``values`` (one per ``bindparam`` name)."""
+        out = dict(self._fixed)
+        for name, process in self._given.items():
+            value = values[name]
+            out[name] = process(value) if process is not None else value
+        if self._positional:
+            return tuple(out[name] for name in self._order)
+        return out
+
+    def execute(self, conn: Connection, **values: Any) -> CursorResult[Any]:
+        """Run the statement on ``conn`` with ``values``."""
+        return conn.exec_driver_sql(self.sql, self.params(values))
+
+    def convert(self, row: Sequence[Any], start: int = 0) -> tuple[Any, ...]:
+        """A returned row, each column from ``start`` on converted by its type's processor.
+
+        Columns before ``start`` are left as the driver returned them.
+        """
+        out = list(row)
+        for i, process in enumerate(self._results[start:], start):
+            if process is not None:
+                out[i] = process(out[i])
+        return tuple(out)

@@ -1,0 +1,345 @@
+"""The per-target write: group commit on one connection per store.
+
+A drain hands its target's outcome to :meth:`GroupWriter.write` and waits for the answer
+before it starts the next target (the seed's rule: target ``i+1`` starts only after ``i``
+is stored). Whichever waiting thread gets the writer's lock first becomes the *leader*:
+it takes every outcome queued at that moment, its own included, and commits them in ONE
+transaction on the store's one write connection, each still a compare-and-set with its
+lease bump, counters and terminal status; then it hands each outcome its own answer. The
+others find their answer ready when the lock comes to them. A lone drain is its own
+leader (no thread hand-off); many drains share a commit (one WAL flush for many
+targets), and no drain holds a connection while it fetches, so connections per process
+do not grow with live jobs.
+
+An outcome the database refuses (a permanent error on its own statements: a result too
+large for the server, say) is answered with that error and the others are committed
+without it. A transient failure (a lost connection, a deadlock, a COMMIT whose reply
+never came) is answered to every outcome of the batch as ``StoreUnavailableError``: each
+drain retries its own write, and the target's compare-and-set makes a retry of a write
+that did commit a no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import threading
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Connection, and_, bindparam, case, func, literal, not_, or_, select, update
+from sqlalchemy import exc as sa_exc
+
+from ._errors import StoreError, translate
+from ._prepared import Prepared
+from ._rows import WriteOutcome
+from ._schema import LIVE, UTCDateTime, jobs, targets
+
+if TYPE_CHECKING:
+    from ._db import DB
+
+__all__ = ["MAX_BATCH", "GroupWriter"]
+
+MAX_BATCH = 256  # outcomes committed in one transaction at most
+
+
+def _statements() -> tuple[Any, Any, Any]:
+    """The write's three statements, from the Core tables (compiled per dialect later)."""
+    now = bindparam("now", type_=UTCDateTime)
+    failed = bindparam("failed", type_=jobs.c.targets_failed.type)
+    target = (
+        update(targets)
+        .where(
+            targets.c.job_id == bindparam("job_id"),
+            targets.c.idx == bindparam("idx"),
+            targets.c.status == literal("pending"),
+        )
+        .values(
+            status=bindparam("status"),
+            result=bindparam("result"),
+            error=bindparam("error"),
+            hint=bindparam("hint"),
+            updated_at=now,
+        )
+    )
+    live = jobs.c.status.in_([literal(s) for s in LIVE])
+    last = and_(
+        jobs.c.status == literal("running"), jobs.c.targets_done + 1 >= jobs.c.targets_total
+    )
+    ends = or_(last, not_(live))  # this write ends the job, or the job ended before it
+    # Every right-hand side reads only old values: MySQL evaluates SET assignments left to
+    # right with the new values, PostgreSQL and SQLite with the old ones; ordering them so
+    # that none reads a column set before it makes the three agree.
+    job = (
+        update(jobs)
+        .where(jobs.c.id == bindparam("job_id"))
+        .ordered_values(
+            (
+                jobs.c.finished_at,
+                case((ends, func.coalesce(jobs.c.finished_at, now)), else_=jobs.c.finished_at),
+            ),
+            (
+                jobs.c.expires_at,
+                # The lease of a live job is its last write + ttl (see _rows.effective_lease);
+                # it is stored only when the job stops being live, so the per-target write
+                # leaves the expiry index alone.
+                case((ends, bindparam("expires_at", type_=UTCDateTime)), else_=jobs.c.expires_at),
+            ),
+            (
+                jobs.c.status,
+                case(
+                    (
+                        last,
+                        case(
+                            (jobs.c.targets_failed + failed == 0, literal("done")),
+                            (
+                                jobs.c.targets_failed + failed >= jobs.c.targets_total,
+                                literal("failed"),
+                            ),
+                            else_=literal("partial"),
+                        ),
+                    ),
+                    else_=jobs.c.status,
+                ),
+            ),
+            (jobs.c.targets_done, jobs.c.targets_done + 1),
+            (jobs.c.targets_failed, jobs.c.targets_failed + failed),
+            (jobs.c.updated_at, now),
+        )
+    )
+    read = select(jobs.c.status, jobs.c.finished_at).where(jobs.c.id == bindparam("job_id"))
+    return target, job, read
+
+
+class _Outcome:
+    """One target's outcome waiting for its commit, and then its answer."""
+
+    __slots__ = ("answer", "error", "values")
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.values = values
+        self.answer: WriteOutcome | None = None
+        self.error: BaseException | None = None
+
+
+class GroupWriter:
+    """Group commit of per-target writes for one store (see the module docstring)."""
+
+    def __init__(self, db: DB) -> None:
+        self._db = db
+        dialect = db.engine.dialect
+        target, job, read = _statements()
+        self._returning = bool(dialect.update_returning)
+        if self._returning:
+            job = job.returning(jobs.c.status, jobs.c.finished_at)
+        result_types = (jobs.c.status.type, jobs.c.finished_at.type)
+        self._target = Prepared(target, dialect)
+        self._job = Prepared(job, dialect, result_types)
+        self._read = Prepared(read, dialect, result_types)
+        self._leader = threading.Lock()  # held by the thread committing a batch
+        self._queued_lock = threading.Lock()  # guards _queued only
+        self._queued: list[_Outcome] = []
+        self._conn: Connection | None = None
+        self._current: _Outcome | None = None  # the outcome whose statements are running
+        self._sqlite = dialect.name == "sqlite"
+        self.commits = 0  # transactions committed (tests and benchmarks read it)
+
+    def write(
+        self,
+        job_id: str,
+        idx: int,
+        *,
+        status: str,
+        result: str | None,
+        error: str,
+        hint: str,
+        ttl: dt.timedelta,
+        now: dt.datetime,
+    ) -> WriteOutcome:
+        """Store one outcome (queued with others, committed together); see the module."""
+        mine = _Outcome(
+            {
+                "job_id": job_id,
+                "idx": idx,
+                "status": status,
+                "result": result,
+                "error": error,
+                "hint": hint,
+                "now": now,
+                "expires_at": now + ttl,
+                "failed": 1 if status == "failed" else 0,
+            }
+        )
+        with self._queued_lock:
+            self._queued.append(mine)
+        while mine.answer is None and mine.error is None:
+            with self._leader:
+                if mine.answer is None and mine.error is None:
+                    with self._queued_lock:
+                        batch = self._queued[:MAX_BATCH]
+                        del self._queued[:MAX_BATCH]
+                    self._commit(batch)
+        if mine.error is not None:
+            raise mine.error
+        assert mine.answer is not None
+        return mine.answer
+
+    def close(self) -> None:
+        """Give the write connection back to the pool."""
+        with self._leader:
+            self._drop()
+
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(sa_exc.SQLAlchemyError):
+                conn.close()
+
+    def _connection(self) -> Connection:
+        if self._conn is None or self._conn.invalidated or self._conn.closed:
+            self._drop()
+            self._conn = self._db._write_connection()
+        return self._conn
+
+    def _commit(self, batch: list[_Outcome]) -> None:
+        """Commit ``batch`` in one transaction; answer every outcome in it."""
+        pending = batch
+        while pending:
+            self._current = None
+            try:
+                conn = self._connection()
+                if self._watched():
+                    answers = self._through_engine(conn, pending)
+                else:
+                    answers = self._on_cursor(conn, pending)
+                self.commits += 1
+                for outcome, answer in zip(pending, answers, strict=True):
+                    outcome.answer = answer
+                return
+            except sa_exc.SQLAlchemyError as exc:
+                err = translate(exc)
+                if isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated:
+                    self._drop()
+                current = self._current
+                if current is not None and not _transient(err) and len(pending) > 1:
+                    # This outcome's own statements were refused: answer it, retry the rest.
+                    current.error = err
+                    pending = [o for o in pending if o is not current]
+                    continue
+                for outcome in pending:
+                    outcome.error = err
+                return
+            except BaseException as exc:
+                # Not a database error: a bug, or an interrupt of the leader thread. The
+                # connection's state is unknown; every outcome is told, none is lost.
+                self._drop()
+                err = StoreError(f"the write of a batch failed: {type(exc).__name__}: {exc}")
+                err.__cause__ = exc
+                for outcome in pending:
+                    outcome.error = err
+                if not isinstance(exc, Exception):
+                    raise  # KeyboardInterrupt, SystemExit: the leader's own thread stops
+                return
+
+    def _watched(self) -> bool:
+        """Whether anyone watches statements (``echo``, cursor events: tracing, tests)."""
+        engine = self._db._wwriter
+        dispatch = engine.dispatch
+        return bool(engine.echo or dispatch.before_cursor_execute or dispatch.after_cursor_execute)
+
+    def _through_engine(self, conn: Connection, pending: list[_Outcome]) -> list[WriteOutcome]:
+        """The batch through SQLAlchemy's execution: every engine event sees it."""
+
+        def run(statement: Prepared, values: dict[str, Any]) -> tuple[int, Any]:
+            result = conn.exec_driver_sql(statement.sql, statement.params(values))
+            return result.rowcount, result.first
+
+        answers = []
+        with conn.begin():
+            for outcome in pending:
+                self._current = outcome
+                answers.append(self._apply(run, outcome.values))
+            self._current = None  # a failure past here is the COMMIT's: the batch's
+        return answers
+
+    def _on_cursor(self, conn: Connection, pending: list[_Outcome]) -> list[WriteOutcome]:
+        """The same statements on the connection's DBAPI cursor, when nobody watches.
+
+        SQLAlchemy's per-execute work (execution context, events, result set-up) costs
+        as much as SQLite's own work for this write; the statements, their parameters'
+        conversion and the error translation are the same as through the engine.
+        """
+        dbapi: Any = conn.connection.driver_connection
+        cursor = dbapi.cursor()
+        sql = ""
+
+        def run(statement: Prepared, values: dict[str, Any]) -> tuple[int, Any]:
+            nonlocal sql
+            sql = statement.sql
+            cursor.execute(sql, statement.params(values))
+            return cursor.rowcount, cursor.fetchone
+
+        try:
+            if self._sqlite:
+                sql = "BEGIN IMMEDIATE"  # as the engine's "begin" hook does for writes
+                cursor.execute(sql)
+            answers = []
+            for outcome in pending:
+                self._current = outcome
+                answers.append(self._apply(run, outcome.values))
+            self._current = None  # a failure past here is the COMMIT's: the batch's
+            sql = "COMMIT"
+            if self._sqlite:
+                cursor.execute(sql)
+            else:
+                dbapi.commit()
+            return answers
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                if self._sqlite:
+                    cursor.execute("ROLLBACK")
+                else:
+                    dbapi.rollback()
+            raise _as_sqlalchemy(conn, exc, sql, cursor) from exc
+        finally:
+            with contextlib.suppress(Exception):
+                cursor.close()
+
+    def _apply(self, run: Any, values: dict[str, Any]) -> WriteOutcome:
+        """One outcome's statements inside the batch's transaction."""
+        rowcount, _ = run(self._target, values)
+        if rowcount != 1:
+            _, fetch = run(self._read, values)
+            row = fetch()
+            return WriteOutcome(False, row[0] if row is not None else "")
+        _, fetch = run(self._job, values)
+        if not self._returning:
+            _, fetch = run(self._read, values)
+        row = fetch()
+        assert row is not None, "a target's job row is missing"
+        return WriteOutcome(True, row[0], finished=row[1] is not None)
+
+
+def _as_sqlalchemy(conn: Connection, exc: Exception, sql: str, cursor: Any) -> Exception:
+    """A driver error as SQLAlchemy raises it (invalidating a dead connection).
+
+    Anything else (not the driver's) is returned unchanged.
+    """
+    dialect = conn.dialect
+    base = getattr(dialect.loaded_dbapi, "Error", ())
+    if not (base and isinstance(exc, base)):
+        return exc
+    dbapi = conn.connection.driver_connection
+    disconnect = bool(dialect.is_disconnect(exc, dbapi, cursor))
+    if disconnect:
+        with contextlib.suppress(Exception):
+            conn.invalidate(exc)
+    err: Exception = sa_exc.DBAPIError.instance(
+        sql, None, exc, base, connection_invalidated=disconnect
+    )
+    return err
+
+
+def _transient(err: StoreError) -> bool:
+    from ._errors import StoreUnavailableError
+
+    return isinstance(err, StoreUnavailableError)
