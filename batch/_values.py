@@ -28,6 +28,7 @@ __all__ = [
     "canonical",
     "check_text",
     "client_idem_key",
+    "encode_options",
     "idem_key",
     "normalize_targets",
 ]
@@ -206,6 +207,11 @@ def _dumps(obj: object) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
+def encode_options(options: Options) -> str:
+    """The options as the store keeps them: their part of the canonical form."""
+    return _dumps(options.to_json())
+
+
 def canonical(targets: Iterable[Target]) -> str:
     """The canonical JSON text of a target list, the input of :func:`idem_key`.
 
@@ -376,7 +382,8 @@ class Config:
         max_result_bytes: largest stored result (UTF-8 bytes of its JSON); larger fails.
         write_retry: how long a drain retries storing a fetched result through a
             database outage before it gives up (the result is never fetched again).
-        purge_interval: least time between two purges of lapsed jobs.
+        purge_interval: least time between two purges of lapsed jobs (the runner's
+            maintenance thread purges, in bounded batches, every heartbeat it is due).
         fetch_timeout: when set, a ``fetch`` that has not returned within it fails its
             target with ``"FetchTimeout: no result within N s"`` and the drain goes on;
             a late result is discarded, never stored. ``None`` (the default, also 0):

@@ -75,7 +75,6 @@ def make_runner(db: dcache.DB, clock: Clock, fake: FakeFetch) -> Iterator[MakeRu
         runner.close(timeout=WAIT)
     # A purge started by a submit is not joined by close(): let it end before the store
     # fixture checks that no connection is left checked out.
-    join_threads(["batch-purge"])
 
 
 @pytest.fixture
@@ -258,7 +257,6 @@ def test_no_drain_thread_outlives_its_job(runner: Runner, fake: FakeFetch) -> No
     for job_id, status in [(done, "done"), (failed, "failed"), (cancelled, "cancelled")]:
         assert finished(runner, job_id).status == status
         assert_drain_ends(job_id)
-    join_threads(["batch-purge"])
     assert {t.name for t in threading.enumerate()} <= before
 
 
@@ -297,7 +295,7 @@ def test_wait_returns_only_after_the_drain_thread_has_exited(clock: Clock, fake:
         threading.settrace(None)  # type: ignore[arg-type]
         hold.set()
         runner.close(timeout=WAIT)
-        join_threads(["batch-purge", f"batch-job-{job_id}"])
+        join_threads([f"batch-job-{job_id}"])
         store.close()
 
 
@@ -679,7 +677,6 @@ def test_live_is_by_status_not_lease(runner: Runner, fake: FakeFetch, clock: Clo
     """A running job is never hidden, purged or uncounted, however long its fetch takes."""
     fake.block(A)
     job_id = submit(runner, "alice", A)
-    join_threads(["batch-purge"])
     clock.advance(seconds=TTL.total_seconds() * 2)
     assert found(runner, job_id)[0].status == "running"
     with pytest.raises(CallerBusyError):
@@ -1032,7 +1029,6 @@ def test_runner_is_a_context_manager(db: dcache.DB, clock: Clock, fake: FakeFetc
     assert found(runner, job_id)[0].status == "done"
     with pytest.raises(RunnerClosedError):
         runner.submit("bob", "web", [{"url": B}])
-    join_threads(["batch-purge"])
 
 
 def test_close_with_timeout_fails_a_blocked_job_after_storing_its_target(
@@ -1086,7 +1082,6 @@ def test_close_gives_up_on_a_fetch_that_ignores_shutdown(clock: Clock, fake: Fak
     finally:
         fake.release_all()
         runner.close(timeout=WAIT)
-        join_threads(["batch-purge"])
         store.close()
 
 
@@ -1222,7 +1217,6 @@ def test_purge_deletes_lapsed_jobs_but_never_live_ones(
     finished(runner, old)
     fake.block(B)
     live = submit(runner, "bob", B)
-    join_threads(["batch-purge"])  # the submits' own purges ran before time moves
     start = clock()
     clock.advance(seconds=TTL.total_seconds() + 60)
     assert runner.db.purge_expired(now=clock()) == 1
@@ -1234,24 +1228,29 @@ def test_purge_deletes_lapsed_jobs_but_never_live_ones(
     finished(runner, live)
 
 
-def test_submit_purges_lapsed_jobs_at_most_once_per_interval(
+def test_the_maintenance_thread_purges_lapsed_jobs_at_most_once_per_interval(
     make_runner: MakeRunner, clock: Clock
 ) -> None:
-    """A store that only ever receives submits stays bounded, at a bounded cost."""
-    lazy = make_runner()  # purge_interval: 60 s of real time
+    """A store that only ever receives submits stays bounded, at a bounded cost, off-request."""
+    beat = dt.timedelta(seconds=0.02)
+    lazy = make_runner(Config(heartbeat=beat))  # purge_interval: 60 s of real time
     old = submit(lazy, "alice", A)
     finished(lazy, old)
-    join_threads(["batch-purge"])  # the first submit's purge (nothing had lapsed)
     start = clock()
     clock.advance(seconds=TTL.total_seconds() + 60)
     later = clock()
-    finished(lazy, submit(lazy, "bob", B))  # within the interval: no purge
-    join_threads(["batch-purge"])
+    threading.Event().wait(0.2)  # ten beats: none of them is due to purge
     clock.now = start
     assert found(lazy, old)[0].status == "done"  # still stored
     clock.now = later
-    eager = make_runner(Config(purge_interval=dt.timedelta(microseconds=1)))
-    finished(eager, submit(eager, "carol", C))  # interval passed: this submit purges
-    join_threads(["batch-purge"])
-    clock.now = start
-    assert eager.status(old) is None  # deleted
+    eager = make_runner(Config(heartbeat=beat, purge_interval=dt.timedelta(microseconds=1)))
+
+    def purged() -> bool:
+        clock_then = clock.now
+        clock.now = start
+        try:
+            return eager.status(old) is None
+        finally:
+            clock.now = clock_then
+
+    wait_for(purged, "the eager runner's maintenance thread to purge the lapsed job")

@@ -14,6 +14,7 @@ import attrs
 import pytest
 
 import batch
+import dcache
 from batch import (
     BusyError,
     CallerBusyError,
@@ -481,3 +482,77 @@ def test_public_names_are_exported() -> None:
         "TooManyTargetsError",
     ]:
         assert hasattr(batch, name), name
+
+
+# Keys computed by release 0.1.0 (commit f60951a) for these submissions. Keys are
+# persisted: a change to the canonical form would silently stop matching stored jobs.
+_RELEASED_KEYS = [
+    (
+        "alice",
+        [{"url": "https://example.org/a"}],
+        "1143582698ebdc288d9baae13496c9f8f95b329583fa14c7fe2e3884fa367e71",
+    ),
+    (
+        "alice",
+        [
+            {"url": "https://example.org/a"},
+            {"url": "https://example.org/b", "options": {"grep": "price", "mode": "pdf"}},
+        ],
+        "cfa7f0ec2e188722ae77945b89abd59b18a87fe813893301586e5087bd3eda8d",
+    ),
+    (
+        "Zoë 東京",
+        [
+            {
+                "url": "https://例え.jp/パス?q=ü",
+                "options": {"question": "¿qué?", "context": True, "recover": False, "pages": ""},
+            }
+        ],
+        "3ef1732853033234c9195316d32838fd5bc45effae38d884703f527984386174",
+    ),
+    (
+        "bob",
+        [
+            {"url": "http://x/1", "options": {"jq": ".a | .b", "pages": "1-3", "recover": True}},
+            {"url": "http://x/2", "options": {}},
+        ],
+        "a96c4bb4b4b145441a0713649dc7254199dfea6672f42fbe63b1cc93747bc405",
+    ),
+]
+
+
+@pytest.mark.parametrize(("caller", "targets", "key"), _RELEASED_KEYS)
+def test_idempotency_keys_match_the_ones_the_previous_release_persisted(
+    caller: str, targets: list[dict[str, object]], key: str
+) -> None:
+    """A job stored by 0.1.0 must still be found by the same submission after an upgrade."""
+    assert batch.idem_key(caller, batch.normalize_targets(targets)) == key
+
+
+def test_client_keys_match_the_ones_the_previous_release_persisted() -> None:
+    """Idempotency-Key values map to the same stored key as in 0.1.0."""
+    expected = "cf65efd9a6bfb1862a8a597db9351800b1ba572818a1be057cc4fa89c98926d9"
+    assert batch.client_idem_key("alice", "key-1") == expected
+
+
+def test_options_are_stored_in_the_canonical_form_and_read_back_from_either_form(
+    db: dcache.DB,
+) -> None:
+    """One encoding for options (the canonical one); rows written by 0.1.0 still read."""
+    fetched: list[batch.Target] = []
+
+    def fetch(t: batch.Target) -> batch.Result:
+        fetched.append(t)
+        return batch.Result("x")
+
+    opts = {"mode": "pdf", "grep": "price", "context": True}
+    with batch.Runner(db, fetch) as runner:
+        job_id, _ = runner.submit("alice", "free", [{"url": "https://e.com/a", "options": opts}])
+        assert runner.wait(job_id, timeout=10) is not None
+        found = db.get_job_with_targets(job_id)
+        assert found is not None
+        assert found[1][0].options == '{"context":true,"grep":"price","mode":"pdf"}'
+        status = runner.status(job_id)
+        assert status is not None
+        assert status[1][0].options == batch.Options(mode="pdf", grep="price", context=True)
+    assert fetched == [batch.Target("https://e.com/a", batch.Options(**opts))]  # type: ignore[arg-type]
