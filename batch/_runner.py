@@ -154,6 +154,7 @@ def _target_status(row: TargetRow, *, in_flight: bool) -> TargetStatus:
         error=error,
         hint=row.hint,
         options=options,
+        result_bytes=row.result_bytes,
     )
 
 
@@ -801,14 +802,16 @@ class Runner:
 
     # -- reads and control --------------------------------------------------------------
 
-    def status(self, job_id: str) -> tuple[Job, list[TargetStatus]] | None:
+    def status(self, job_id: str, *, results: bool = True) -> tuple[Job, list[TargetStatus]] | None:
         """The job and its targets from one consistent read; ``None`` if unknown or lapsed.
 
-        The target being fetched reads ``running`` (derived, not written).
+        The target being fetched reads ``running`` (derived, not written). With
+        ``results=False`` no result is read: each target's ``result`` is ``None`` and
+        ``result_bytes`` its stored size (fetch one with :meth:`result`).
         """
         if not _plausible_id(job_id):
             return None
-        found = self._db.get_job_with_targets(job_id, now=self._clock())
+        found = self._db.get_job_with_targets(job_id, now=self._clock(), results=results)
         if found is None:
             return None
         row, rows = found
@@ -816,6 +819,31 @@ class Runner:
         if row.status == "running":
             in_flight = next((t.idx for t in rows if t.status == "pending"), -1)
         return _job(row), [_target_status(t, in_flight=t.idx == in_flight) for t in rows]
+
+    def result(self, job_id: str, idx: int) -> TargetStatus | None:
+        """One target with its result; ``None`` if the job or the target is unknown."""
+        if not _plausible_id(job_id):
+            return None
+        found = self._db.get_target(job_id, idx, now=self._clock())
+        if found is None:
+            return None
+        row, target = found
+        in_flight = (
+            row.status == "running"
+            and target.status == "pending"
+            and (target.idx == row.targets_done)
+        )
+        return _target_status(target, in_flight=in_flight)
+
+    def lookup(self, job_id: str) -> str:
+        """``"found"``, ``"expired"`` (its lease lapsed, purged or not) or ``"unknown"``.
+
+        ``status`` answers ``None`` for both of the last two; this tells them apart
+        (HTTP's 410 against 404) for as long as the store keeps the tombstone.
+        """
+        if not _plausible_id(job_id):
+            return "unknown"
+        return self._db.lookup(job_id, now=self._clock()).state
 
     def job(self, job_id: str) -> Job | None:
         """The job without its targets; ``None`` if unknown or lapsed."""

@@ -300,10 +300,13 @@ class TargetStatus:
     error: str
     hint: str
     options: Options = Options()
+    # The stored result's size in UTF-8 bytes, when it was read without the result
+    # (``Runner.status(job_id, results=False)``); None otherwise.
+    result_bytes: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict."""
-        return {
+        """A JSON-ready dict (``"bytes"`` only when the result was left out)."""
+        out = {
             "idx": self.idx,
             "url": self.url,
             "options": self.options.to_json(),
@@ -312,6 +315,9 @@ class TargetStatus:
             "error": self.error,
             "hint": self.hint,
         }
+        if self.result_bytes is not None:
+            out["bytes"] = self.result_bytes
+        return out
 
 
 T = TypeVar("T")

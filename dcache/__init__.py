@@ -14,7 +14,15 @@ from ._errors import (
     StoreUnavailableError,
     is_transient,
 )
-from ._rows import JobRow, NewTarget, OwnerRow, SubmitOutcome, TargetRow, WriteOutcome
+from ._rows import (
+    JobRow,
+    Lookup,
+    NewTarget,
+    OwnerRow,
+    SubmitOutcome,
+    TargetRow,
+    WriteOutcome,
+)
 from ._schema import LIVE, SCHEMA_VERSION, TERMINAL
 
 __all__ = [
@@ -23,6 +31,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "TERMINAL",
     "JobRow",
+    "Lookup",
     "NewTarget",
     "OwnerRow",
     "PoolExhaustedError",

@@ -14,6 +14,7 @@ import stamina
 from sqlalchemy import (
     Connection,
     Engine,
+    Integer,
     Row,
     and_,
     bindparam,
@@ -23,6 +24,7 @@ from sqlalchemy import (
     func,
     insert,
     literal_column,
+    null,
     or_,
     select,
     text,
@@ -37,7 +39,15 @@ from sqlalchemy.schema import CreateColumn
 
 from ._errors import SchemaVersionError, StoreError, is_sqlite_busy, wrap_errors
 from ._prepared import Prepared
-from ._rows import JobRow, NewTarget, OwnerRow, SubmitOutcome, TargetRow, WriteOutcome
+from ._rows import (
+    JobRow,
+    Lookup,
+    NewTarget,
+    OwnerRow,
+    SubmitOutcome,
+    TargetRow,
+    WriteOutcome,
+)
 from ._schema import (
     GLOBAL_LOCK,
     LIVE,
@@ -49,7 +59,9 @@ from ._schema import (
     meta,
     metadata,
     owners,
+    result_bytes,
     targets,
+    tombstones,
 )
 from ._writer import GroupWriter
 
@@ -58,6 +70,7 @@ __all__ = ["DB", "Writer", "utcnow"]
 log = logging.getLogger("dcache")
 
 DEFAULT_URL = "sqlite:///dcache.sqlite3"
+TOMBSTONE_TTL = dt.timedelta(days=7)  # how long a purged job's id still answers "expired"
 _WRITE = "dcache_write"  # execution option read by the SQLite "begin" hook
 _SYNCHRONOUS = ("OFF", "NORMAL", "FULL", "EXTRA")
 _US = dt.timedelta(microseconds=1)
@@ -245,6 +258,12 @@ _Q_STATUS = (
     .where(jobs.c.id == bindparam("job_id"), _visible(bindparam("now", type_=UTCDateTime)))
     .order_by(targets.c.idx)
 )
+# The same without the results, but with their sizes (TargetRow.result_bytes).
+_Q_STATUS_BRIEF = _Q_STATUS.with_only_columns(
+    *_JOB_COLS,
+    *(null().label("result") if c is targets.c.result else c for c in _TARGET_COLS),
+    result_bytes(targets.c.result).label("result_bytes"),
+)
 _Q_LIVE_CALLER = _Q_LIVE_ALL.where(jobs.c.caller == bindparam("c"))
 
 
@@ -284,9 +303,9 @@ class DB:
         self._wctl = self._writing(ctl)
         self._wwriter = self._writing(writer)
         self._group = GroupWriter(self)
-        self._status_read = Prepared(
-            _Q_STATUS, engine.dialect, [c.type for c in (*_JOB_COLS, *_TARGET_COLS)]
-        )
+        types = [c.type for c in (*_JOB_COLS, *_TARGET_COLS)]
+        self._status_read = Prepared(_Q_STATUS, engine.dialect, types)
+        self._status_brief = Prepared(_Q_STATUS_BRIEF, engine.dialect, [*types, Integer()])
         self._closed = False
         try:
             self._create_schema()
@@ -707,28 +726,80 @@ class DB:
 
     @wrap_errors
     def get_job_with_targets(
-        self, job_id: str, now: dt.datetime | None = None
+        self, job_id: str, now: dt.datetime | None = None, *, results: bool = True
     ) -> tuple[JobRow, list[TargetRow]] | None:
         """The job and all its targets in index order, read in one statement (consistent).
 
-        ``None`` when the job is unknown or its lease has lapsed.
+        With ``results=False`` every target's ``result`` is left out (``None``) and its
+        size in bytes is read instead (``TargetRow.result_bytes``): a poll of a job with
+        large results reads a few hundred bytes. ``None`` when the job is unknown or its
+        lease has lapsed.
         """
         if not _findable(job_id):
             return None
         now = _now(now)
-        status = self._status_read
+        read = self._status_read if results else self._status_brief
         # Status polling is the hot read: one prepared statement, the job's columns
         # converted once (from the first row), the targets' from every row.
         with self._engine.connect() as conn:
-            rows = conn.exec_driver_sql(status.sql, status.params({"job_id": job_id, "now": now}))
-            raw = rows.fetchall()
-        if not raw:
+            raw = conn.exec_driver_sql(read.sql, read.params({"job_id": job_id, "now": now}))
+            rows = raw.fetchall()
+        if not rows:
             return None
-        first = status.convert(raw[0])
-        job = _job_from(first[: len(_JOB_COLS)])
         t0 = len(_JOB_COLS)
-        out = [TargetRow(*status.convert(r, start=t0)[t0:]) for r in raw if r[t0] is not None]
+        job = _job_from(read.convert(rows[0])[:t0])
+        out = [TargetRow(*read.convert(r, start=t0)[t0:]) for r in rows if r[t0] is not None]
         return job, out
+
+    @wrap_errors
+    def get_target(
+        self, job_id: str, idx: int, now: dt.datetime | None = None
+    ) -> tuple[JobRow, TargetRow] | None:
+        """The job and one of its targets (with its result), read in one statement.
+
+        ``None`` when the job is unknown, its lease has lapsed, or it has no such target.
+        """
+        if not _findable(job_id) or isinstance(idx, bool) or not isinstance(idx, int):
+            return None
+        now = _now(now)
+        q = (
+            select(*_JOB_COLS, *_TARGET_COLS)
+            .select_from(jobs.join(targets, targets.c.job_id == jobs.c.id))
+            .where(jobs.c.id == job_id, targets.c.idx == idx, _visible(now))
+        )
+        with self._read() as conn:
+            row = conn.execute(q).first()
+        if row is None:
+            return None
+        t0 = len(_JOB_COLS)
+        return _job_from(tuple(row)[:t0]), TargetRow(*tuple(row)[t0:])
+
+    @wrap_errors
+    def lookup(self, job_id: str, now: dt.datetime | None = None) -> Lookup:
+        """Whether a job id is readable, expired (purged or not yet) or unknown.
+
+        One indexed read of the job row and, when it is gone, of its tombstone (kept for
+        ``tombstone_ttl`` after the purge, see :meth:`purge_expired`).
+        """
+        if not _findable(job_id):
+            return Lookup("unknown")
+        now = _now(now)
+        with self._read() as conn:
+            row = conn.execute(
+                select(jobs.c.caller, jobs.c.status, jobs.c.expires_at).where(jobs.c.id == job_id)
+            ).first()
+            if row is not None:
+                if row.status in LIVE or row.expires_at > now:
+                    return Lookup("found", row.caller)
+                return Lookup("expired", row.caller, row.expires_at)
+            gone = conn.execute(
+                select(tombstones.c.caller, tombstones.c.expired_at).where(
+                    tombstones.c.id == job_id
+                )
+            ).first()
+        if gone is None:
+            return Lookup("unknown")
+        return Lookup("expired", gone.caller, gone.expired_at)
 
     @wrap_errors
     def list_jobs(
@@ -1088,15 +1159,25 @@ class DB:
 
     @wrap_errors
     def purge_expired(
-        self, now: dt.datetime | None = None, *, limit: int = 500, max_batches: int = 100
+        self,
+        now: dt.datetime | None = None,
+        *,
+        limit: int = 500,
+        max_batches: int = 100,
+        tombstone_ttl: dt.timedelta = TOMBSTONE_TTL,
     ) -> int:
         """Delete jobs whose lease lapsed (never live ones) with their targets.
 
-        Works in batches of ``limit`` jobs, each its own short transaction, so live
-        writers are never blocked for long. Returns how many jobs were deleted.
+        Each deleted job leaves a tombstone (its id, caller and expiry) for
+        ``tombstone_ttl`` (7 days by default), so :meth:`lookup` can tell "expired" from
+        "unknown"; older tombstones are deleted here too. Works in batches of ``limit``
+        jobs, each its own short transaction, so live writers are never blocked for long.
+        Returns how many jobs were deleted.
         """
         now = _now(now)
         gone = 0
+        with self._write() as conn:
+            conn.execute(delete(tombstones).where(tombstones.c.expired_at < now - tombstone_ttl))
         for _ in range(max_batches):
             with self._write() as conn:
                 lapsed = and_(jobs.c.expires_at <= now, jobs.c.status.not_in(LIVE))
@@ -1116,14 +1197,20 @@ class DB:
                     .where(targets.c.job_id.in_(ids))
                     .with_for_update()
                 ).all()
-                confirmed = (
-                    conn.execute(
-                        select(jobs.c.id).where(jobs.c.id.in_(ids), lapsed).with_for_update()
-                    )
-                    .scalars()
-                    .all()
-                )
+                found = conn.execute(
+                    select(jobs.c.id, jobs.c.caller, jobs.c.expires_at)
+                    .where(jobs.c.id.in_(ids), lapsed)
+                    .with_for_update()
+                ).all()
+                confirmed = [r.id for r in found]
                 if confirmed:
+                    conn.execute(
+                        insert(tombstones),
+                        [
+                            {"id": r.id, "caller": r.caller, "expired_at": r.expires_at}
+                            for r in found
+                        ],
+                    )
                     conn.execute(delete(targets).where(targets.c.job_id.in_(confirmed)))
                     gone += conn.execute(delete(jobs).where(jobs.c.id.in_(confirmed))).rowcount
             if len(ids) < limit:

@@ -7,7 +7,15 @@ from typing import Literal
 
 import attrs
 
-__all__ = ["JobRow", "NewTarget", "OwnerRow", "SubmitOutcome", "TargetRow", "WriteOutcome"]
+__all__ = [
+    "JobRow",
+    "Lookup",
+    "NewTarget",
+    "OwnerRow",
+    "SubmitOutcome",
+    "TargetRow",
+    "WriteOutcome",
+]
 
 
 @attrs.frozen
@@ -51,6 +59,8 @@ class TargetRow:
     error: str
     hint: str
     updated_at: dt.datetime | None
+    # The stored result's size in UTF-8 bytes, when the read left the result out.
+    result_bytes: int | None = None
 
 
 @attrs.frozen
@@ -104,3 +114,17 @@ class OwnerRow:
     def token(self) -> tuple[int, dt.datetime | None] | None:
         """What changes when the owner beats (``None`` for a missing owner)."""
         return (self.beats, self.heartbeat_at) if self.present else None
+
+
+@attrs.frozen
+class Lookup:
+    """What the store knows of a job id.
+
+    ``state`` is ``"found"`` (readable), ``"expired"`` (its lease lapsed; ``expired_at``
+    says when, and ``caller`` whose it was) or ``"unknown"`` (never seen, or forgotten
+    since: tombstones are kept for a while only).
+    """
+
+    state: Literal["found", "expired", "unknown"]
+    caller: str = ""
+    expired_at: dt.datetime | None = None

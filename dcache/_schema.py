@@ -23,6 +23,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.schema import CreateTable
 from sqlalchemy.sql.compiler import DDLCompiler
+from sqlalchemy.sql.functions import FunctionElement
 from sqlalchemy.types import TypeDecorator, TypeEngine
 
 __all__ = [
@@ -37,7 +38,9 @@ __all__ = [
     "meta",
     "metadata",
     "owners",
+    "result_bytes",
     "targets",
+    "tombstones",
 ]
 
 # 2: batch_owner.beats (added in place to version-1 tables; see DB._migrate).
@@ -187,6 +190,37 @@ owners = Table(
     Column("beats", BigInteger, nullable=False, default=0, server_default="0"),
     **_MYSQL,
 )
+
+
+# The ids of purged jobs, kept a while (DB.purge_expired's tombstone_ttl) so that a late
+# poll of a job whose lease lapsed learns "expired" instead of "unknown".
+tombstones = Table(
+    "batch_tombstone",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("caller", String(KEY), nullable=False),
+    Column("expired_at", UTCDateTime, nullable=False),
+    Index("ix_batch_tombstone_expired", "expired_at"),
+    **_MYSQL,
+)
+
+
+class result_bytes(FunctionElement[int]):
+    """The size in UTF-8 bytes of a text column (``octet_length`` where there is one)."""
+
+    type = Integer()
+    inherit_cache = True
+
+
+@compiles(result_bytes)
+def _result_bytes(element: result_bytes, compiler: Any, **kw: Any) -> str:
+    return f"octet_length({compiler.process(element.clauses, **kw)})"
+
+
+@compiles(result_bytes, "sqlite")
+def _result_bytes_sqlite(element: result_bytes, compiler: Any, **kw: Any) -> str:
+    # SQLite's length() counts characters of text and bytes of a blob.
+    return f"length(CAST({compiler.process(element.clauses, **kw)} AS BLOB))"
 
 
 _PADDING_BIN = re.compile(r"COLLATE\s*=?\s*utf8mb4_bin\b")

@@ -55,6 +55,7 @@ def wipe(db: dcache.DB) -> None:
         conn.execute(text("DELETE FROM batch_target"))
         conn.execute(text("DELETE FROM batch_job"))
         conn.execute(text("DELETE FROM batch_owner"))
+        conn.execute(text("DELETE FROM batch_tombstone"))
         conn.execute(text("DELETE FROM batch_lock WHERE name <> 'global'"))
 
 

@@ -1,0 +1,126 @@
+"""Reading results at scale (issue 12): results on demand, one target at a time, and
+"expired" told apart from "unknown" by tombstones. Every backend of the ``db`` fixture."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Iterator
+
+import pytest
+from _fetchers import WAIT, FakeFetch
+from conftest import Clock
+
+import batch
+import dcache
+
+TTL = dt.timedelta(hours=1)
+A, B, C = (f"https://example.com/{n}" for n in "abc")
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeFetch]:
+    f = FakeFetch()
+    yield f
+    f.release_all()
+
+
+@pytest.fixture
+def runner(db: dcache.DB, fake: FakeFetch, clock: Clock) -> Iterator[batch.Runner]:
+    with batch.Runner(db, fake, batch.Config(ttl=TTL, jobs_per_caller=4), clock=clock) as r:
+        yield r
+
+
+def test_status_without_results_gives_each_results_size_in_bytes(
+    runner: batch.Runner, fake: FakeFetch
+) -> None:
+    """A poll of 32 large results should read their sizes, not their megabytes."""
+    fake.behave(A, lambda t: batch.Result("é" * 1000, {"k": "ü"}))
+    fake.behave(B, lambda t: (_ for _ in ()).throw(batch.FetchError("nope")))
+    fake.block(C)
+    job_id, _ = runner.submit("alice", "free", [{"url": u} for u in (A, B, C)])
+    fake.wait_entered(C)
+    found = runner.status(job_id, results=False)
+    assert found is not None
+    job, (a, b, c) = found
+    assert job.status == "running"
+    stored = json.dumps(batch.Result("é" * 1000, {"k": "ü"}).to_json(), ensure_ascii=False)
+    assert (a.status, a.result, a.result_bytes) == ("done", None, len(stored.encode("utf-8")))
+    assert (b.status, b.result, b.error) == ("failed", None, "nope")
+    assert b.result_bytes is None  # nothing stored
+    assert (c.status, c.result, c.result_bytes) == ("running", None, None)
+    assert a.to_json()["bytes"] == a.result_bytes and "bytes" not in c.to_json()
+    full = runner.status(job_id)
+    assert full is not None
+    assert full[1][0].result == batch.Result("é" * 1000, {"k": "ü"})
+    assert full[1][0].result_bytes is None
+    fake.release(C)
+    assert runner.wait(job_id, timeout=WAIT) is not None
+
+
+def test_one_target_is_read_with_its_result_alone(runner: batch.Runner, fake: FakeFetch) -> None:
+    """runner.result(job, idx): pull 32 large results one at a time with bounded memory."""
+    fake.block(B)
+    job_id, _ = runner.submit("alice", "free", [{"url": u} for u in (A, B, C)])
+    fake.wait_entered(B)
+    a = runner.result(job_id, 0)
+    assert a is not None
+    assert (a.idx, a.url, a.status, a.result) == (
+        0,
+        A,
+        "done",
+        batch.Result(f"content of {A}", {"url": A}),
+    )
+    b = runner.result(job_id, 1)
+    assert b is not None and (b.status, b.result) == ("running", None)
+    c = runner.result(job_id, 2)
+    assert c is not None and (c.status, c.result) == ("pending", None)
+    for idx in (3, -1, True, "0"):
+        assert runner.result(job_id, idx) is None  # type: ignore[arg-type]
+    assert runner.result("0" * 32, 0) is None
+    assert runner.result("../etc", 0) is None
+    fake.release(B)
+    assert runner.wait(job_id, timeout=WAIT) is not None
+
+
+def test_expired_is_told_from_unknown_until_the_tombstone_goes(
+    runner: batch.Runner, fake: FakeFetch, clock: Clock, db: dcache.DB
+) -> None:
+    """410 Gone for a job whose lease lapsed, purged or not; 404 only for what never was."""
+    job_id, _ = runner.submit("alice", "free", [{"url": A}])
+    done = runner.wait(job_id, timeout=WAIT)
+    assert done is not None and done.expires_at is not None
+    assert runner.lookup(job_id) == "found"
+    assert runner.lookup("0" * 32) == "unknown"
+    assert runner.lookup("not an id!") == "unknown"
+
+    clock.now = done.expires_at  # the lease has lapsed; the row is still there
+    assert runner.status(job_id) is None
+    assert runner.lookup(job_id) == "expired"
+    assert db.lookup(job_id, now=clock()) == dcache.Lookup("expired", "alice", done.expires_at)
+
+    clock.advance(days=1)
+    assert db.purge_expired(now=clock()) == 1  # purged: its tombstone answers now
+    assert runner.lookup(job_id) == "expired"
+    assert db.lookup(job_id, now=clock()) == dcache.Lookup("expired", "alice", done.expires_at)
+
+    clock.now = done.expires_at + dcache._db.TOMBSTONE_TTL + dt.timedelta(seconds=1)
+    assert db.purge_expired(now=clock()) == 0  # and the tombstone is purged in turn
+    assert runner.lookup(job_id) == "unknown"
+
+
+def test_a_live_job_never_reads_as_expired_whatever_the_clock(
+    runner: batch.Runner, fake: FakeFetch, clock: Clock
+) -> None:
+    """A live job's lease is its last write + ttl, and a live job is never hidden."""
+    fake.block(B)
+    job_id, _ = runner.submit("alice", "free", [{"url": u} for u in (A, B)])
+    fake.wait_entered(B)
+    job = runner.job(job_id)
+    assert job is not None and job.expires_at is not None and job.updated_at is not None
+    assert job.expires_at == job.updated_at + TTL
+    clock.advance(days=30)
+    assert runner.lookup(job_id) == "found"
+    assert runner.status(job_id) is not None
+    fake.release(B)
+    assert runner.wait(job_id, timeout=WAIT) is not None
