@@ -11,7 +11,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 
@@ -71,6 +71,7 @@ from .events import (
 __all__ = ["Fetch", "Runner", "new_job_id"]
 
 Fetch = Callable[[Target], Result]
+_R = TypeVar("_R", bound="Runner")
 
 _ORPHAN_BEATS = 3  # an owner is dead after this many missed heartbeats
 MAX_MESSAGE_LENGTH = 8192  # a stored error or hint, in characters
@@ -202,9 +203,11 @@ class Runner:
             self._log,
             name=f"batch-events-{self.owner[:8]}",
         )
-        # Guards _drains, _closed, _abandoned and _unresolved only; never held across I/O.
+        # Guards the registries of drains, abandoned and unresolved jobs and _closed only;
+        # never held across I/O.
         self._lock = threading.Lock()
         self._drains: dict[str, _Drain] = {}
+        self._ending: dict[str, _Drain] = {}  # drains whose thread may still be exiting
         self._abandoned: set[str] = set()
         self._unresolved: dict[str, _Unresolved] = {}
         self._closed = False
@@ -441,7 +444,7 @@ class Runner:
         if announce is not None:  # before the drain starts: no TargetStored comes first
             self._emit(announce)
         try:
-            drain.thread.start()
+            self._launch(drain)
         except BaseException:
             # "can't start new thread": the maintenance thread tries again, then ends it.
             with self._lock:
@@ -449,6 +452,11 @@ class Runner:
             raise
         with self._lock:
             self._unresolved.pop(job_id, None)
+
+    def _launch(self, drain: _Drain) -> None:
+        """Start the drain's thread (``batch.testing.ImmediateRunner`` drains inline)."""
+        assert drain.thread is not None
+        drain.thread.start()
 
     def _end_unstarted(self, job_id: str, reason: str) -> bool:
         """Fail a job no drain ever ran and release its key; False if the store failed."""
@@ -546,6 +554,11 @@ class Runner:
         finally:
             with self._lock:
                 self._drains.pop(job_id, None)
+                # The thread lives a moment longer: wait() joins it from here.
+                self._ending = {
+                    k: d for k, d in self._ending.items() if d.thread and d.thread.is_alive()
+                }
+                self._ending[job_id] = drain
             drain.done.set()
 
     def _finished(self, drain: _Drain, status: str, error: str = "") -> None:
@@ -898,7 +911,7 @@ class Runner:
             return None
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            drain = self._drains.get(job_id)
+            drain = self._drains.get(job_id) or self._ending.get(job_id)
         if drain is not None:
             if not drain.done.wait(timeout):
                 raise TimeoutError(f"job {job_id} did not finish within {timeout} s")
@@ -1066,7 +1079,7 @@ class Runner:
             self._log.warning("could not remove owner row %s", self.owner, exc_info=True)
         self._events.close()
 
-    def __enter__(self) -> Runner:
+    def __enter__(self: _R) -> _R:
         return self
 
     def __exit__(self, *exc: object) -> None:

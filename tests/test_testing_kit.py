@@ -1,0 +1,139 @@
+"""batch.testing (issue 15): the kit apps test with, used as an app's test suite would."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+
+import pytest
+
+import batch
+import dcache
+from batch.testing import Clock, ImmediateRunner, ScriptedFetch
+
+pytest_plugins = ["pytester"]
+
+A, B, C = (f"https://example.org/{n}" for n in "abc")
+
+
+def test_immediate_submit_returns_with_the_job_finished_and_every_rule_kept(
+    batch_immediate_runner: ImmediateRunner, batch_fetch: ScriptedFetch
+) -> None:
+    """The job is terminal when submit returns; order, idempotency and results hold."""
+    batch_fetch.result(A, "alpha", {"n": 1})
+    batch_fetch.error(B, "gone", hint="check the URL")
+    job_id, reused = batch_immediate_runner.submit("alice", "free", [{"url": A}, {"url": B}])
+    assert not reused
+    found = batch_immediate_runner.status(job_id)
+    assert found is not None
+    job, targets = found
+    assert (job.status, job.targets_done, job.finished_at is not None) == ("partial", 2, True)
+    assert [(t.status, t.error, t.hint) for t in targets] == [
+        ("done", "", ""),
+        ("failed", "gone", "check the URL"),
+    ]
+    assert targets[0].result == batch.Result("alpha", {"n": 1})
+    assert batch_fetch.calls == [A, B]
+    # Idempotency: the same submission is the same job, not fetched again.
+    assert batch_immediate_runner.submit("alice", "free", [{"url": A}, {"url": B}]) == (
+        job_id,
+        True,
+    )
+    assert batch_fetch.calls == [A, B]
+    assert batch_immediate_runner.wait(job_id, timeout=1) == job
+
+
+def test_immediate_mode_still_enforces_the_caps(batch_db: dcache.DB) -> None:
+    """A caller at its cap is refused in tests exactly as in production."""
+    fetch = ScriptedFetch()
+    gate = fetch.gate(A)
+    config = batch.Config(jobs_per_caller=1, targets_per_job=2)
+    with ImmediateRunner(batch_db, fetch, config) as runner:
+        with pytest.raises(batch.TooManyTargetsError):
+            runner.submit("alice", "free", [{"url": u} for u in (A, B, C)])
+        holder = threading.Thread(target=runner.submit, args=("alice", "free", [{"url": A}]))
+        holder.start()  # its submit drains inline, held at the gate: the job stays live
+        gate.wait_entered()
+        with pytest.raises(batch.CallerBusyError):
+            runner.submit("alice", "free", [{"url": B}])
+        gate.open()
+        holder.join(10)
+        assert not holder.is_alive()
+
+
+def test_a_flask_view_under_test_returns_with_the_job_already_terminal(
+    batch_immediate_runner: ImmediateRunner, batch_fetch: ScriptedFetch
+) -> None:
+    """What an app's own view tests want: POST, then GET shows the end, no polling."""
+    flask = pytest.importorskip("flask")
+    import batch.flask as batch_flask
+
+    app = flask.Flask("under-test")
+    batch_flask.init_app(app, batch_immediate_runner, lambda request: ("alice", "free"))
+    batch_fetch.result(A, "page")
+    client = app.test_client()
+    posted = client.post("/jobs", json={"targets": [{"url": A}]})
+    assert posted.status_code == 202, posted.get_json()
+    job_id = posted.get_json()["job"]["id"]
+    got = client.get(f"/jobs/{job_id}").get_json()
+    assert got["job"]["status"] == "done"
+    assert got["targets"][0]["result"]["content"] == "page"
+
+
+def test_the_clock_moves_leases_and_heartbeat_judgements_without_sleeping(
+    batch_db: dcache.DB, batch_fetch: ScriptedFetch, batch_clock: Clock
+) -> None:
+    """Advance past the TTL: the job lapses; a wall-clock step alone changes no judgement."""
+    config = batch.Config(ttl=dt.timedelta(hours=1))
+    with batch.Runner(
+        batch_db, batch_fetch, config, clock=batch_clock, monotonic=batch_clock.monotonic
+    ) as runner:
+        job_id, _ = runner.submit("alice", "free", [{"url": A}])
+        assert runner.wait(job_id, timeout=10) is not None
+        before = batch_clock.monotonic()
+        batch_clock.step(-3600)  # a wall-clock step: monotonic time does not move
+        assert batch_clock.monotonic() == before
+        batch_clock.step(3600)
+        batch_clock.advance(minutes=59)
+        assert runner.lookup(job_id) == "found"
+        batch_clock.advance(minutes=2)
+        assert batch_clock.monotonic() == before + 61 * 60
+        assert runner.status(job_id) is None
+        assert runner.lookup(job_id) == "expired"
+    with pytest.raises(ValueError):
+        batch_clock.advance(-1)
+
+
+def test_scripted_fetch_delays_raises_and_gates(batch_runner: batch.Runner) -> None:
+    """Each scripted behaviour shows in the stored outcome, in order."""
+    fetch = batch_runner.fetch
+    assert isinstance(fetch, ScriptedFetch)
+    fetch.delay(A, 0.05)
+    fetch.raises(B, RuntimeError("app bug"))
+    gate = fetch.gate(C)
+    job_id, _ = batch_runner.submit("alice", "free", [{"url": u} for u in (A, B, C)])
+    gate.wait_entered()
+    found = batch_runner.status(job_id)
+    assert found is not None
+    assert [t.status for t in found[1]] == ["done", "failed", "running"]
+    assert found[1][1].error == "RuntimeError: app bug"
+    gate.open()
+    job = batch_runner.wait(job_id, timeout=10)
+    assert job is not None and job.status == "partial"
+    assert fetch.count() == 3 and fetch.peak == 1
+
+
+def test_the_plugin_is_active_in_an_apps_test_suite(pytester: pytest.Pytester) -> None:
+    """Installed with the package, the fixtures are there without any conftest."""
+    pytester.makepyfile(
+        """
+        def test_app(batch_immediate_runner, batch_fetch):
+            batch_fetch.result("https://e.org/x", "hello")
+            job_id, _ = batch_immediate_runner.submit("u", "c", [{"url": "https://e.org/x"}])
+            job, targets = batch_immediate_runner.status(job_id)
+            assert job.status == "done"
+            assert targets[0].result.content == "hello"
+        """
+    )
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
