@@ -34,6 +34,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool, QueuePool
 from sqlalchemy.schema import CreateColumn
 
+from ._admin import AdminQueries
 from ._errors import SchemaVersionError, StoreError, is_sqlite_busy, wrap_errors
 from ._rows import JobRow, NewTarget, OwnerRow, SubmitOutcome, TargetRow, WriteOutcome
 from ._schema import (
@@ -216,7 +217,7 @@ _Q_LIVE_ALL = select(func.count()).select_from(jobs).where(_LIVE_IN)
 _Q_LIVE_CALLER = _Q_LIVE_ALL.where(jobs.c.caller == bindparam("c"))
 
 
-class DB:
+class DB(AdminQueries):
     """The durable store for batch jobs, on SQLite, PostgreSQL or MySQL/MariaDB.
 
     Build it with :meth:`open` (the store owns and disposes the engine), :meth:`memory`
