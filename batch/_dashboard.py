@@ -382,6 +382,10 @@ def _json(obj: object, status: int = 200) -> Response:
     return Response(text, status=status, mimetype="application/json")
 
 
+def _unknown(rest: str) -> Response:
+    abort(404, description="No such page.")
+
+
 def _headers(resp: Response) -> Response:
     resp.headers["Content-Security-Policy"] = CSP
     resp.headers["X-Content-Type-Options"] = "nosniff"
@@ -433,6 +437,8 @@ def dashboard(
         "/jobs/<job_id>/targets/<int:idx>/result", "result", state.result, methods=["GET"]
     )
     bp.add_url_rule("/jobs/<job_id>/cancel", "cancel", state.cancel, methods=["POST"])
+    # Unknown paths under the prefix get the blueprint's gate and pages, not the app's 404.
+    bp.add_url_rule("/<path:rest>", "unknown", _unknown, methods=["GET", "POST"])
     bp.register_error_handler(HTTPException, state.error)
     bp.register_error_handler(dcache.StoreError, state.store_error)
     return bp

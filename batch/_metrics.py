@@ -135,9 +135,7 @@ class RunnerMetrics:
             buckets=STORE_BUCKETS,
             registry=reg,
         )
-        self.result_bytes = Counter(
-            "batch_result_bytes", "Bytes of results stored.", registry=reg
-        )
+        self.result_bytes = Counter("batch_result_bytes", "Bytes of results stored.", registry=reg)
         self.job_seconds = Histogram(
             "batch_job_duration_seconds",
             "Time from a job's submit to the end of its drain, by terminal status.",
@@ -341,7 +339,7 @@ def metrics(
             abort(403)
         scrape = prometheus_client.CollectorRegistry()
         if multiprocess_mode():
-            _multiprocess.MultiProcessCollector(scrape)
+            _multiprocess.MultiProcessCollector(scrape)  # type: ignore[no-untyped-call]
         else:
             scrape.register(_Forward(source))
         scrape.register(store)

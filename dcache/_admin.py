@@ -12,7 +12,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import attrs
-from sqlalchemy import Connection, LargeBinary, Row, cast, func, or_, select
+from sqlalchemy import Connection, LargeBinary, cast, func, or_, select
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.functions import FunctionElement
@@ -88,7 +88,7 @@ def _text_key(value: object) -> bool:
     return True
 
 
-def _job(row: Row[Any]) -> JobRow:
+def _job(row: Any) -> JobRow:  # a Row of the job columns (and maybe more)
     m = row._mapping
     return JobRow(
         **{name: m[name] for name in _JOB_FIELDS},
@@ -97,9 +97,7 @@ def _job(row: Row[Any]) -> JobRow:
 
 
 _Q_LIVE_BY_CALLER = (
-    select(jobs.c.caller, func.count())
-    .where(jobs.c.status.in_(LIVE))
-    .group_by(jobs.c.caller)
+    select(jobs.c.caller, func.count()).where(jobs.c.status.in_(LIVE)).group_by(jobs.c.caller)
 )
 
 
@@ -228,4 +226,3 @@ class AdminQueries:
         with self._read() as conn:
             value = conn.execute(q).scalar_one_or_none()
         return value if isinstance(value, str) else None
-
