@@ -15,6 +15,7 @@ answered by any worker reports the sum over all of them.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -61,6 +62,8 @@ STORE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 JOB_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0)
 """Seconds: a job from its submit to the end of its drain."""
 
+_MAX_ENDED_FIRST = 4096
+
 OTHER_CLASS = "other"
 """The ``caller_class`` label of classes beyond ``max_caller_classes``."""
 
@@ -102,6 +105,7 @@ class RunnerMetrics:
         self._classes: set[str] = set()
         self._lock = threading.Lock()
         self._draining: set[str] = set()
+        self._ended_first: OrderedDict[str, None] = OrderedDict()
         self.submissions = Counter(
             "batch_submissions",
             "Submissions by outcome (created, reused, or the reason of a refusal).",
@@ -203,14 +207,24 @@ class RunnerMetrics:
 
     # A set, not inc/dec: a JobFinished for a job whose submit this process never saw
     # (a drain adopted by the maintenance thread) must not drive the gauge below zero.
+    # And a fast drain's JobFinished can reach the stream before its JobSubmitted (the
+    # drain starts before submit() emits), so ends seen first are remembered, boundedly.
     def _drain_started(self, job_id: str) -> None:
         with self._lock:
-            self._draining.add(job_id)
+            if job_id in self._ended_first:
+                del self._ended_first[job_id]
+            else:
+                self._draining.add(job_id)
             self.draining.set(len(self._draining))
 
     def _drain_ended(self, job_id: str) -> None:
         with self._lock:
-            self._draining.discard(job_id)
+            if job_id in self._draining:
+                self._draining.discard(job_id)
+            else:
+                self._ended_first[job_id] = None
+                while len(self._ended_first) > _MAX_ENDED_FIRST:
+                    self._ended_first.popitem(last=False)
             self.draining.set(len(self._draining))
 
 
