@@ -156,7 +156,7 @@ def _finished(runner: batch.Runner, job_id: str) -> batch.Job:
 def test_every_route_is_forbidden_without_authorization(
     client: FlaskClient, runner: batch.Runner
 ) -> None:
-    """authorize(request) is the only gate: no page, asset, poll or cancel slips past it."""
+    """authorize(request) is the only gate: no page, poll, preview or cancel slips past it."""
     job_id, _ = runner.submit("alice", "gold", [{"url": "https://e.com/a"}])
     _finished(runner, job_id)
     for path in (
@@ -164,12 +164,14 @@ def test_every_route_is_forbidden_without_authorization(
         f"/batch/jobs/{job_id}",
         f"/batch/jobs/{job_id}/progress.json",
         f"/batch/jobs/{job_id}/targets/0/result",
-        "/batch/static/dashboard.js",
         "/batch/no-such-page",
     ):
         resp = client.get(path)
         assert resp.status_code == 403, path
         assert "alice" not in resp.get_data(as_text=True)
+    asset = client.get("/batch/static/dashboard.js")  # the package's own, for the 403 page
+    assert asset.status_code == 200
+    asset.close()
     assert client.post(f"/batch/jobs/{job_id}/cancel").status_code == 403
 
 
