@@ -33,6 +33,7 @@ from werkzeug.exceptions import HTTPException
 
 import dcache
 
+from ._dashboard import dashboard
 from ._errors import (
     BusyError,
     CallerBusyError,
@@ -42,6 +43,7 @@ from ._errors import (
     SubmitError,
     TooManyTargetsError,
 )
+from ._metrics import metrics
 from ._openapi import document
 from ._runner import Runner
 from ._values import MAX_KEY_LENGTH, Job
@@ -54,7 +56,9 @@ __all__ = [
     "BatchAPI",
     "Identify",
     "blueprint",
+    "dashboard",
     "init_app",
+    "metrics",
 ]
 
 Identify = Callable[[Request], "tuple[str, str] | None"]

@@ -37,6 +37,7 @@ from sqlalchemy.engine.base import OptionEngine
 from sqlalchemy.pool import NullPool, Pool, QueuePool
 from sqlalchemy.schema import CreateColumn
 
+from ._admin import AdminQueries
 from ._errors import SchemaVersionError, StoreError, is_sqlite_busy, wrap_errors
 from ._prepared import Prepared
 from ._rows import (
@@ -267,7 +268,7 @@ _Q_STATUS_BRIEF = _Q_STATUS.with_only_columns(
 _Q_LIVE_CALLER = _Q_LIVE_ALL.where(jobs.c.caller == bindparam("c"))
 
 
-class DB:
+class DB(AdminQueries):
     """The durable store for batch jobs, on SQLite, PostgreSQL or MySQL/MariaDB.
 
     Build it with :meth:`open` (the store owns and disposes the engine), :meth:`memory`

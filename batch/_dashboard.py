@@ -1,0 +1,448 @@
+"""The operators' dashboard: a Flask blueprint of server-rendered pages over the store.
+
+Pages: the job list (newest first, filtered by status and caller, paginated, with the
+counts per status, live jobs against ``jobs_total`` and the callers at their cap) and a
+job's page (every target, a result's first kilobytes on demand, a Cancel button). A small
+script of the blueprint's own polls a JSON endpoint with ``If-None-Match`` so a job's page
+follows its drain without reloading; without JavaScript a reload shows the same.
+
+Everything stored (results, errors, hints, URLs, callers) is untrusted text: the templates
+autoescape it (their own Jinja environment, whatever the app configures), no URL is ever
+made a link, and every page is sent with a strict ``Content-Security-Policy``: no inline
+script or style exists to allow, and every asset is served by the blueprint.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import hmac
+import json
+import math
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode, urlsplit
+
+import jinja2
+from flask import Blueprint, Request, Response, abort, redirect, request, url_for
+from werkzeug.exceptions import HTTPException
+
+import dcache
+from dcache import LIVE, TERMINAL, JobRow
+from dcache._admin import TargetSummary
+
+from ._runner import Runner
+
+__all__ = ["CSP", "PREVIEW_BYTES", "Authorize", "dashboard"]
+
+Authorize = Callable[[Request], bool]
+"""``authorize(request) -> bool``: whether the request may see and steer every job."""
+
+CSP = (
+    "default-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'; "
+    "object-src 'none'"
+)
+"""The Content-Security-Policy sent with every response of the dashboard."""
+
+PREVIEW_BYTES = 4096
+"""How much of a result's content the preview shows by default, in bytes."""
+MAX_PREVIEW_BYTES = 65536
+
+STATUSES = ("queued", "running", "done", "failed", "partial", "cancelled")
+_CSRF_COOKIE = "batch_dashboard_csrf"
+_MAX_ID = 64
+_HERE = Path(__file__).parent
+_CANCEL_MESSAGES = {
+    "ok": "Cancelled: the target in flight is stored, then the job stops.",
+    "finished": "Not cancelled: the job had already finished.",
+}
+
+
+def _plausible(job_id: str) -> bool:
+    return 0 < len(job_id) <= _MAX_ID and job_id.isascii() and job_id.isprintable()
+
+
+def _size(n: int | None) -> str:
+    """A byte count for people: ``812 B``, ``4.0 KiB``, ``1.3 MiB``."""
+    if n is None:
+        return ""
+    if n < 1024:
+        return f"{n} B"
+    if n < 1024 * 1024:
+        return f"{n / 1024:.1f} KiB"
+    return f"{n / (1024 * 1024):.1f} MiB"
+
+
+def _when(value: dt.datetime | None) -> str:
+    if value is None:
+        return ""
+    return value.astimezone(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def _duration(job: JobRow) -> str:
+    end = job.finished_at or dcache.utcnow()
+    seconds = max(0.0, (end - job.created_at).total_seconds())
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    if seconds < 3600:
+        return f"{int(seconds // 60)} min {int(seconds % 60)} s"
+    return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60)} min"
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(_HERE / "templates" / "dashboard")),
+        autoescape=True,  # every template, whatever its name: stored text is untrusted
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters["size"] = _size
+    env.filters["when"] = _when
+    env.globals["url_for"] = url_for
+    return env
+
+
+def _in_flight(job: JobRow, rows: list[TargetSummary]) -> int:
+    """The index of the target being fetched (the first pending of a running job), or -1."""
+    if job.status != "running":
+        return -1
+    return next((t.idx for t in rows if t.status == "pending"), -1)
+
+
+def _etag(job: JobRow) -> str:
+    # Every target write and status change updates the job row, so the row alone tells
+    # whether anything on the page changed: a conditional poll is one primary-key read.
+    raw = "|".join(
+        str(v)
+        for v in (
+            job.id,
+            job.status,
+            job.targets_done,
+            job.targets_failed,
+            job.updated_at.isoformat(),
+            job.finished_at.isoformat() if job.finished_at else "",
+            job.error,
+        )
+    )
+    return '"' + hashlib.sha256(raw.encode("utf-8", "backslashreplace")).hexdigest()[:32] + '"'
+
+
+def _progress(job: JobRow, rows: list[TargetSummary]) -> dict[str, Any]:
+    flight = _in_flight(job, rows)
+    return {
+        "job": {
+            "id": job.id,
+            "status": job.status,
+            "live": job.status in LIVE,
+            "finished": job.finished_at is not None,
+            "error": job.error,
+            "targets_total": job.targets_total,
+            "targets_done": job.targets_done,
+            "targets_failed": job.targets_failed,
+            "stored": job.targets_done,
+            "finished_at": _when(job.finished_at),
+            "duration": _duration(job),
+        },
+        "targets": [
+            {
+                "idx": t.idx,
+                "status": "running" if t.idx == flight else t.status,
+                "in_flight": t.idx == flight,
+                "error": t.error,
+                "hint": t.hint,
+                "result_bytes": t.result_bytes,
+                "size": _size(t.result_bytes),
+            }
+            for t in rows
+        ],
+    }
+
+
+class _Dashboard:
+    """The state behind one mounted dashboard (its views are bound methods)."""
+
+    def __init__(self, runner: Runner, authorize: Authorize, page_size: int) -> None:
+        self.runner = runner
+        self.authorize = authorize
+        self.page_size = page_size
+        self.env = _environment()
+
+    # -- plumbing -----------------------------------------------------------------------
+
+    def render(self, template: str, http_status: int = 200, **context: Any) -> Response:
+        token = request.cookies.get(_CSRF_COOKIE, "")
+        fresh = len(token) < 32
+        if fresh:
+            token = secrets.token_urlsafe(32)
+        html = self.env.get_template(template).render(csrf_token=token, **context)
+        resp = Response(html, status=http_status, mimetype="text/html")
+        if fresh:
+            resp.set_cookie(
+                _CSRF_COOKIE,
+                token,
+                path=self.cookie_path(),
+                secure=request.is_secure,
+                httponly=True,
+                samesite="Strict",
+            )
+        return resp
+
+    def cookie_path(self) -> str:
+        return url_for(".jobs").rstrip("/") or "/"
+
+    def check(self) -> Response | None:
+        """The blueprint's gate: 403 unless ``authorize(request)`` says yes.
+
+        The package's own script and styles pass (they hold nothing of anybody's), so
+        even the 403 page renders as designed.
+        """
+        if (request.endpoint or "").endswith(".static") or self.authorize(request) is True:
+            return None
+        return self.render("error.html", 403, title="Forbidden", message="Not authorized.")
+
+    def error(self, exc: HTTPException) -> Response:
+        status = exc.code or 500
+        if request.path.endswith(".json"):
+            return _json({"error": exc.name}, status)
+        return self.render("error.html", status, title=exc.name, message=exc.description)
+
+    def store_error(self, exc: dcache.StoreError) -> Response:
+        message = "The database is unavailable; try again in a moment."
+        if request.path.endswith(".json"):
+            return _json({"error": message}, 503)
+        return self.render("error.html", 503, title="Unavailable", message=message)
+
+    # -- views --------------------------------------------------------------------------
+
+    def jobs(self) -> Response:
+        db = self.runner.db
+        config = self.runner.config
+        status = request.args.get("status", "")
+        if status not in STATUSES:
+            status = ""
+        caller = request.args.get("caller", "").strip()
+        try:
+            page = max(1, int(request.args.get("page", "1")))
+        except ValueError:
+            page = 1
+        page = min(page, 1_000_000)
+        per_caller = db.live_by_caller()
+        counts = db.status_counts(caller=caller or None)
+        rows = db.jobs_page(
+            status=status or None,
+            caller=caller or None,
+            offset=(page - 1) * self.page_size,
+            limit=self.page_size + 1,
+        )
+        more = len(rows) > self.page_size
+        total = counts.get(status, 0) if status else sum(counts.values())
+
+        def link(**changes: Any) -> str:
+            args = {"status": status, "caller": caller, "page": page, **changes}
+            query = {k: v for k, v in args.items() if v not in ("", None, 1)}
+            return url_for(".jobs") + ("?" + urlencode(query) if query else "")
+
+        at_cap = sorted(
+            (c for c, n in per_caller.items() if n >= config.jobs_per_caller),
+            key=lambda c: (-per_caller[c], c),
+        )
+        return self.render(
+            "jobs.html",
+            title="Jobs",
+            jobs=rows[: self.page_size],
+            counts=[(s, counts.get(s, 0)) for s in STATUSES],
+            counts_total=sum(counts.values()),
+            status=status,
+            caller=caller,
+            page=page,
+            pages=max(1, math.ceil(total / self.page_size)),
+            newer=link(page=page - 1) if page > 1 else None,
+            older=link(page=page + 1) if more else None,
+            status_link=lambda s: link(status=s, page=1),
+            caller_link=lambda c: link(caller=c, status="", page=1),
+            live=sum(per_caller.values()),
+            jobs_total=config.jobs_total,
+            jobs_per_caller=config.jobs_per_caller,
+            at_cap=[(c, per_caller[c]) for c in at_cap[:50]],
+            at_cap_more=max(0, len(at_cap) - 50),
+            terminal=TERMINAL,
+            live_statuses=LIVE,
+        )
+
+    def _summary(self, job_id: str) -> tuple[JobRow, list[TargetSummary]]:
+        found = self.runner.db.job_summary(job_id) if _plausible(job_id) else None
+        if found is None:
+            abort(404, description="No such job (or its lease has lapsed).")
+        return found
+
+    def job(self, job_id: str) -> Response:
+        job, rows = self._summary(job_id)
+        show = request.args.get("show", "")
+        preview: tuple[int, str, int] | None = None
+        if show.isdigit():
+            preview = self._preview(job_id, int(show), PREVIEW_BYTES)
+        return self.render(
+            "job.html",
+            title=f"Job {job.id}",
+            job=job,
+            targets=rows,
+            in_flight=_in_flight(job, rows),
+            live=job.status in LIVE,
+            duration=_duration(job),
+            message=_CANCEL_MESSAGES.get(request.args.get("cancel", "")),
+            preview=preview,
+            preview_bytes=PREVIEW_BYTES,
+        )
+
+    def progress(self, job_id: str) -> Response:
+        db = self.runner.db
+        if not _plausible(job_id):
+            abort(404)
+        current = db.get_job(job_id)
+        if current is None:
+            abort(404)
+        if _etag(current) in _if_none_match():
+            resp = Response(status=304)
+            resp.headers["ETag"] = _etag(current)
+            return resp
+        job, rows = self._summary(job_id)
+        resp = _json(_progress(job, rows))
+        resp.headers["ETag"] = _etag(job)
+        return resp
+
+    def _preview(self, job_id: str, idx: int, limit: int) -> tuple[int, str, int] | None:
+        """``(idx, first bytes of the content as text, content size)``, or ``None``."""
+        stored = self.runner.db.target_result(job_id, idx)
+        if stored is None:
+            return None
+        try:
+            content = json.loads(stored).get("content", "")
+        except (ValueError, AttributeError, RecursionError):
+            return None
+        if not isinstance(content, str):
+            return None
+        data = content.encode("utf-8", "backslashreplace")
+        return idx, data[:limit].decode("utf-8", "ignore"), len(data)
+
+    def result(self, job_id: str, idx: int) -> Response:
+        self._summary(job_id)  # 404 for an unknown job
+        try:
+            limit = int(request.args.get("bytes", PREVIEW_BYTES))
+        except ValueError:
+            limit = PREVIEW_BYTES
+        limit = min(max(limit, 1), MAX_PREVIEW_BYTES)
+        found = self._preview(job_id, idx, limit)
+        if found is None:
+            abort(404, description="This target has no stored result.")
+        _, text, size = found
+        resp = Response(text, mimetype="text/plain")
+        resp.headers["X-Result-Bytes"] = str(size)
+        resp.headers["Content-Disposition"] = "inline"
+        return resp
+
+    def cancel(self, job_id: str) -> Response:
+        if not self._csrf_ok():
+            return self.render(
+                "error.html",
+                400,
+                title="Not cancelled",
+                message="The form could not be verified (it may be stale or come from "
+                "another site). Reload the job's page and try again.",
+            )
+        if not _plausible(job_id):
+            abort(404)
+        if self.runner.cancel(job_id):
+            outcome = "ok"
+        else:
+            self._summary(job_id)  # 404 for an unknown job
+            outcome = "finished"
+        target = url_for(".job", job_id=job_id, cancel=outcome)
+        return redirect(target, code=303)  # type: ignore[return-value]
+
+    def _csrf_ok(self) -> bool:
+        origin = request.headers.get("Origin")
+        if origin is not None and origin != "null":
+            own = urlsplit(request.host_url)
+            theirs = urlsplit(origin)
+            if (theirs.scheme, theirs.netloc) != (own.scheme, own.netloc):
+                return False
+        elif origin == "null":
+            return False
+        cookie = request.cookies.get(_CSRF_COOKIE, "")
+        sent = request.form.get("csrf", "")
+        return len(cookie) >= 32 and hmac.compare_digest(cookie.encode(), sent.encode())
+
+
+def _if_none_match() -> set[str]:
+    raw = request.headers.get("If-None-Match", "")
+    return {tag.strip().removeprefix("W/") for tag in raw.split(",") if tag.strip()}
+
+
+def _json(obj: object, status: int = 200) -> Response:
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return Response(text, status=status, mimetype="application/json")
+
+
+def _unknown(rest: str) -> Response:
+    abort(404, description="No such page.")
+
+
+def _headers(resp: Response) -> Response:
+    resp.headers["Content-Security-Policy"] = CSP
+    resp.headers["X-Content-Type-Options"] = "nosniff"
+    resp.headers["Referrer-Policy"] = "same-origin"
+    resp.headers["X-Frame-Options"] = "DENY"
+    resp.headers.setdefault("Cache-Control", "no-store")
+    return resp
+
+
+def dashboard(
+    runner: Runner,
+    authorize: Authorize,
+    url_prefix: str = "/batch",
+    *,
+    name: str = "batch_dashboard",
+    page_size: int = 25,
+) -> Blueprint:
+    """The operators' dashboard as a blueprint: register it on the app.
+
+    Args:
+        runner: the process's runner (its store is read; cancels go through it).
+        authorize: ``authorize(request) -> bool``; only a True answer gets in (operators
+            see and may cancel every caller's jobs), anything else is 403.
+        url_prefix: where the pages live.
+        name: the blueprint's name.
+        page_size: jobs per page of the list.
+
+    Returns:
+        The blueprint (``app.register_blueprint(dashboard(runner, is_operator))``).
+    """
+    if not callable(authorize):
+        raise TypeError("authorize must be a callable: authorize(request) -> bool")
+    if page_size < 1:
+        raise ValueError(f"page_size must be positive, not {page_size}")
+    state = _Dashboard(runner, authorize, page_size)
+    bp = Blueprint(
+        name,
+        __name__,
+        url_prefix=url_prefix,
+        static_folder=str(_HERE / "static" / "dashboard"),
+        static_url_path="/static",
+    )
+    bp.before_request(state.check)
+    bp.after_request(_headers)
+    bp.add_url_rule("/", "jobs", state.jobs, methods=["GET"])
+    bp.add_url_rule("/jobs/<job_id>", "job", state.job, methods=["GET"])
+    bp.add_url_rule("/jobs/<job_id>/progress.json", "progress", state.progress, methods=["GET"])
+    bp.add_url_rule(
+        "/jobs/<job_id>/targets/<int:idx>/result", "result", state.result, methods=["GET"]
+    )
+    bp.add_url_rule("/jobs/<job_id>/cancel", "cancel", state.cancel, methods=["POST"])
+    # Unknown paths under the prefix get the blueprint's gate and pages, not the app's 404.
+    bp.add_url_rule("/<path:rest>", "unknown", _unknown, methods=["GET", "POST"])
+    bp.register_error_handler(HTTPException, state.error)
+    bp.register_error_handler(dcache.StoreError, state.store_error)
+    return bp

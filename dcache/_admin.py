@@ -1,0 +1,228 @@
+"""Operators' reads: counts, filtered listings, cap usage and target summaries.
+
+The dashboard and the metrics scrape read through these, never through raw SQL of their
+own. Each method is one short read transaction built from the Core tables; each filters
+on an indexed column (``status``, ``(caller, status)``) wherever the question allows.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+import attrs
+from sqlalchemy import Connection, LargeBinary, cast, func, or_, select
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.functions import FunctionElement
+from sqlalchemy.types import BigInteger
+
+from ._errors import wrap_errors
+from ._rows import JobRow
+from ._schema import LIVE, jobs, targets
+
+__all__ = ["AdminQueries", "TargetSummary"]
+
+_JOB_FIELDS = tuple(f.name for f in attrs.fields(JobRow) if f.name != "ttl")
+
+
+@attrs.frozen
+class TargetSummary:
+    """One target as an operator's page shows it: everything but the result itself.
+
+    ``result_bytes`` is the size of the stored result (its JSON text, UTF-8), ``None``
+    when no result is stored.
+    """
+
+    idx: int
+    url: str
+    status: str
+    error: str
+    hint: str
+    result_bytes: int | None
+    updated_at: dt.datetime | None
+
+
+class _OctetLength(FunctionElement[int]):
+    """The UTF-8 size in bytes of a text value, on every backend."""
+
+    type = BigInteger()
+    inherit_cache = True
+    name = "octet_length"
+
+
+@compiles(_OctetLength)
+def _octet_length(element: _OctetLength, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"octet_length({compiler.process(element.clauses, **kw)})"
+
+
+@compiles(_OctetLength, "sqlite")
+def _octet_length_sqlite(element: _OctetLength, compiler: SQLCompiler, **kw: Any) -> str:
+    # SQLite's length() counts characters on text; on a blob it counts bytes.
+    arg = next(iter(element.clauses))
+    return f"length({compiler.process(cast(arg, LargeBinary), **kw)})"
+
+
+def _visible(now: dt.datetime) -> Any:
+    """A job is visible while its lease holds, and always while it is live."""
+    return or_(jobs.c.expires_at > now, jobs.c.status.in_(LIVE))
+
+
+def _aware(now: dt.datetime | None) -> dt.datetime:
+    if now is None:
+        return dt.datetime.now(dt.timezone.utc)
+    if now.tzinfo is None or now.utcoffset() is None:
+        raise ValueError(f"naive datetime {now!r}: pass an aware UTC datetime")
+    return now.astimezone(dt.timezone.utc)
+
+
+def _text_key(value: object) -> bool:
+    """Whether a value could be a stored key (a string every backend can compare)."""
+    if not isinstance(value, str) or "\x00" in value:
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _job(row: Any) -> JobRow:  # a Row of the job columns (and maybe more)
+    m = row._mapping
+    return JobRow(
+        **{name: m[name] for name in _JOB_FIELDS},
+        ttl=dt.timedelta(microseconds=m["ttl_us"]),
+    )
+
+
+_Q_LIVE_BY_CALLER = (
+    select(jobs.c.caller, func.count()).where(jobs.c.status.in_(LIVE)).group_by(jobs.c.caller)
+)
+
+
+class AdminQueries:
+    """Reads for operators (the dashboard, the metrics scrape), mixed into :class:`DB`."""
+
+    if TYPE_CHECKING:
+
+        def _read(self) -> AbstractContextManager[Connection]: ...
+
+    @wrap_errors
+    def live_by_caller(self) -> dict[str, int]:
+        """Live (``queued``/``running``) jobs per caller, over the whole database.
+
+        One query on the status index; it returns at most ``jobs_total`` rows' worth of
+        callers, so it is cheap enough for every metrics scrape.
+        """
+        with self._read() as conn:
+            return {caller: int(n) for caller, n in conn.execute(_Q_LIVE_BY_CALLER)}
+
+    @wrap_errors
+    def status_counts(
+        self, *, caller: str | None = None, now: dt.datetime | None = None
+    ) -> dict[str, int]:
+        """Visible jobs per status, optionally one caller's (statuses with none left out)."""
+        if caller is not None and not _text_key(caller):
+            return {}
+        now = _aware(now)
+        q = select(jobs.c.status, func.count()).where(_visible(now)).group_by(jobs.c.status)
+        if caller is not None:
+            q = q.where(jobs.c.caller == caller)
+        with self._read() as conn:
+            return {status: int(n) for status, n in conn.execute(q)}
+
+    @wrap_errors
+    def jobs_page(
+        self,
+        *,
+        status: str | None = None,
+        caller: str | None = None,
+        offset: int = 0,
+        limit: int = 50,
+        now: dt.datetime | None = None,
+    ) -> list[JobRow]:
+        """Visible jobs, newest first, filtered by status and/or caller; one page of them.
+
+        Raises:
+            ValueError: a negative ``offset`` or a ``limit`` below 1.
+        """
+        if offset < 0 or limit < 1:
+            raise ValueError(f"offset must be >= 0 and limit >= 1, not {offset}, {limit}")
+        for value in (status, caller):
+            if value is not None and not _text_key(value):
+                return []
+        now = _aware(now)
+        q = select(*jobs.c).where(_visible(now))
+        if status is not None:
+            q = q.where(jobs.c.status == status)
+        if caller is not None:
+            q = q.where(jobs.c.caller == caller)
+        q = q.order_by(jobs.c.created_at.desc(), jobs.c.id.desc()).offset(offset).limit(limit)
+        with self._read() as conn:
+            return [_job(r) for r in conn.execute(q)]
+
+    @wrap_errors
+    def job_summary(
+        self, job_id: str, now: dt.datetime | None = None
+    ) -> tuple[JobRow, list[TargetSummary]] | None:
+        """The job and its targets without their results (sizes only), in index order.
+
+        Read in one statement, so the job's counters and its targets agree. ``None`` when
+        the job is unknown or its lease has lapsed.
+        """
+        if not _text_key(job_id):
+            return None
+        now = _aware(now)
+        q = (
+            select(
+                *jobs.c,
+                targets.c.idx.label("t_idx"),
+                targets.c.url.label("t_url"),
+                targets.c.status.label("t_status"),
+                targets.c.error.label("t_error"),
+                targets.c.hint.label("t_hint"),
+                _OctetLength(targets.c.result).label("t_bytes"),
+                targets.c.updated_at.label("t_updated_at"),
+            )
+            .select_from(jobs.outerjoin(targets, targets.c.job_id == jobs.c.id))
+            .where(jobs.c.id == job_id, _visible(now))
+            .order_by(targets.c.idx)
+        )
+        with self._read() as conn:
+            rows = conn.execute(q).all()
+        if not rows:
+            return None
+        return _job(rows[0]), [
+            TargetSummary(
+                idx=int(m["t_idx"]),
+                url=m["t_url"],
+                status=m["t_status"],
+                error=m["t_error"],
+                hint=m["t_hint"],
+                result_bytes=None if m["t_bytes"] is None else int(m["t_bytes"]),
+                updated_at=m["t_updated_at"],
+            )
+            for m in (r._mapping for r in rows)
+            if m["t_idx"] is not None
+        ]
+
+    @wrap_errors
+    def target_result(self, job_id: str, idx: int, now: dt.datetime | None = None) -> str | None:
+        """One target's stored result (the runner's JSON text); ``None`` when there is none.
+
+        ``None`` too when the job is unknown or its lease has lapsed.
+        """
+        if not _text_key(job_id) or isinstance(idx, bool) or not isinstance(idx, int):
+            return None
+        if not 0 <= idx < 2**31:  # an INTEGER column: anything else names no target
+            return None
+        now = _aware(now)
+        q = (
+            select(targets.c.result)
+            .select_from(targets.join(jobs, targets.c.job_id == jobs.c.id))
+            .where(targets.c.job_id == job_id, targets.c.idx == idx, _visible(now))
+        )
+        with self._read() as conn:
+            value = conn.execute(q).scalar_one_or_none()
+        return value if isinstance(value, str) else None
