@@ -98,6 +98,7 @@ class _Drain:
     targets: list[Target]
     caller_class: str = ""
     started: float = attrs.Factory(time.monotonic)
+    announced: bool = False  # its JobFinished event went out
     stop: threading.Event = attrs.Factory(threading.Event)  # cancel or shutdown asked
     done: threading.Event = attrs.Factory(threading.Event)  # the drain has ended
     shutdown: bool = False
@@ -407,7 +408,7 @@ class Runner:
         with self._lock:
             pending = self._unresolved.get(row.id)
         if pending is not None:
-            self._start(row.id, pending.items, row.caller_class)
+            self._start(row.id, pending.items, row.caller_class, _announce(row))
 
     def _start(
         self,
@@ -503,7 +504,7 @@ class Runner:
                 extra={"job_id": job_id},
             )
             try:
-                self._start(job_id, entry.items, row.caller_class)
+                self._start(job_id, entry.items, row.caller_class, _announce(row))
             except RunnerClosedError:
                 pass
             except BaseException as exc:
@@ -526,6 +527,7 @@ class Runner:
                     store_started = time.monotonic()
                     outcome = self._store(writer, job_id, idx, fields)
                     if outcome is None:  # the store gave up; the job is left to be failed
+                        self._abandon(job_id)
                         break
                     self._emit(
                         TargetStored(
@@ -552,6 +554,15 @@ class Runner:
             self._log.critical("drain of job %s crashed", job_id, exc_info=True, extra=extra)
             self._abandon(job_id)
         finally:
+            if not drain.announced:
+                # Its end could not be recorded (the store gave up, or a crash): announce
+                # what the store will say once it answers, so every drain has one end.
+                if drain.shutdown:
+                    self._finished(drain, "failed", "shutdown")
+                elif drain.stop.is_set():
+                    self._finished(drain, "cancelled")
+                else:
+                    self._finished(drain, "failed", "store unavailable")
             with self._lock:
                 self._drains.pop(job_id, None)
                 # The thread lives a moment longer: wait() joins it from here.
@@ -562,6 +573,7 @@ class Runner:
             drain.done.set()
 
     def _finished(self, drain: _Drain, status: str, error: str = "") -> None:
+        drain.announced = True
         self._emit(
             JobFinished(
                 self._clock(),
@@ -789,7 +801,6 @@ class Runner:
             self._log.critical(
                 "could not store job %s target %d", job_id, idx, exc_info=True, extra=extra
             )
-        self._abandon(job_id)
         return None
 
     def _abandon(self, job_id: str) -> None:
@@ -1089,6 +1100,13 @@ class Runner:
         with self._lock:
             n = len(self._drains)
         return f"<batch.Runner owner={self.owner[:8]} live={n} closed={self._closed}>"
+
+
+def _announce(row: JobRow) -> JobSubmitted:
+    """The JobSubmitted event of a job whose submit failed but which is drained after all."""
+    return JobSubmitted(
+        row.updated_at, row.id, row.caller, row.caller_class, row.targets_total, False
+    )
 
 
 def _refusal(exc: BaseException) -> str:

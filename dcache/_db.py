@@ -493,12 +493,12 @@ class DB(AdminQueries):
 
     @staticmethod
     def _migrate(conn: Connection) -> None:
-        """Add in place the columns a newer schema version added with a server default.
+        """Add in place what a newer schema version added to existing tables.
 
         ``create_all`` never alters an existing table. A column that can be added to a
-        populated table (one with a server default, or nullable) is added here, so a
-        version-1 database moves on without losing its jobs; anything else is left to
-        :meth:`_check_columns` to refuse.
+        populated table (one with a server default, or nullable) is added here, and so
+        is a missing index, so a version-1 database moves on without losing its jobs;
+        anything else is left to :meth:`_check_columns` to refuse.
         """
         inspector = sa_inspect(conn)
         for table in metadata.sorted_tables:
@@ -509,6 +509,11 @@ class DB(AdminQueries):
                 ddl = CreateColumn(column).compile(dialect=conn.dialect)
                 log.warning("adding column %s.%s to an older schema", table.name, column.name)
                 conn.execute(text(f"ALTER TABLE {table.name} ADD COLUMN {ddl}"))
+            indexed = {i["name"] for i in inspector.get_indexes(table.name)}
+            for index in table.indexes:
+                if index.name not in indexed:
+                    log.warning("adding index %s to an older schema", index.name)
+                    index.create(conn)
 
     @staticmethod
     def _check_columns(conn: Connection) -> None:

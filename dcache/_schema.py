@@ -153,6 +153,7 @@ jobs = Table(
     Index("ix_batch_job_status", "status"),
     Index("ix_batch_job_expires", "expires_at"),
     Index("ix_batch_job_owner_status", "owner", "status"),
+    Index("ix_batch_job_created", "created_at"),  # the newest-first listings
     **_MYSQL,
 )
 

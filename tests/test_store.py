@@ -18,6 +18,7 @@ import pytest
 from conftest import backend_url, open_backend
 from sqlalchemy import event, select, text, update
 from sqlalchemy import exc as sa_exc
+from sqlalchemy import inspect as sa_inspect
 
 import dcache
 from dcache import DB, JobRow, NewTarget, SubmitOutcome
@@ -1076,6 +1077,8 @@ def test_a_version_1_database_is_migrated_in_place_and_keeps_its_jobs(db: DB) ->
     db.heartbeat("old-runner", now=T0)
     with db.engine.begin() as conn:
         conn.execute(text("ALTER TABLE batch_owner DROP COLUMN beats"))
+        drop = "DROP INDEX ix_batch_job_created"
+        conn.execute(text(drop + (" ON batch_job" if db.dialect in ("mysql", "mariadb") else "")))
         conn.execute(update(meta).where(meta.c.key == "schema_version").values(value="1"))
     if db.dialect == "sqlite" and db.engine.url.database in (None, "", ":memory:"):
         db._create_schema()  # an in-memory store cannot be opened twice
@@ -1085,6 +1088,9 @@ def test_a_version_1_database_is_migrated_in_place_and_keeps_its_jobs(db: DB) ->
     try:
         assert again.schema_version() == dcache.SCHEMA_VERSION == 2
         assert again.get_job(job_id, now=T0) is not None
+        with again.engine.connect() as conn:
+            names = {i["name"] for i in sa_inspect(conn).get_indexes("batch_job")}
+        assert "ix_batch_job_created" in names
         [row] = [o for o in again.owners() if o.owner == "old-runner"]
         assert (row.present, row.beats) == (True, 0)
         again.heartbeat("old-runner", now=T0)
