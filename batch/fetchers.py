@@ -607,24 +607,28 @@ class Fetcher:
             raise FetchError(f"{path} is a directory", hint="name a file") from None
         except OSError as exc:
             raise FetchError(f"cannot read {path}: {exc.strerror or exc}") from None
-        with os.fdopen(fd, "rb") as fh:
-            try:
-                info = os.fstat(fd)
-                if stat.S_ISDIR(info.st_mode):
-                    raise FetchError(f"{path} is a directory", hint="name a file")
-                if not stat.S_ISREG(info.st_mode):
-                    raise FetchError(
-                        f"{path} is not a regular file (a pipe, socket or device)",
-                        hint="name a regular file",
-                    )
-                if info.st_size > self.max_bytes:
-                    raise FetchError(
-                        f"file is {info.st_size} bytes, at most {self.max_bytes} allowed",
-                        hint="raise Fetcher(max_bytes=...) or split the file",
-                    )
+        try:
+            info = os.fstat(fd)
+            if stat.S_ISDIR(info.st_mode):
+                raise FetchError(f"{path} is a directory", hint="name a file")
+            if not stat.S_ISREG(info.st_mode):
+                raise FetchError(
+                    f"{path} is not a regular file (a pipe, socket or device)",
+                    hint="name a regular file",
+                )
+            if info.st_size > self.max_bytes:
+                raise FetchError(
+                    f"file is {info.st_size} bytes, at most {self.max_bytes} allowed",
+                    hint="raise Fetcher(max_bytes=...) or split the file",
+                )
+            with os.fdopen(fd, "rb") as fh:
+                fd = -1  # the file object owns it now
                 body = fh.read(self.max_bytes + 1)
-            except OSError as exc:
-                raise FetchError(f"cannot read {path}: {exc.strerror or exc}") from None
+        except OSError as exc:
+            raise FetchError(f"cannot read {path}: {exc.strerror or exc}") from None
+        finally:
+            if fd >= 0:
+                os.close(fd)
         if len(body) > self.max_bytes:
             raise FetchError(f"file is over {self.max_bytes} bytes")
         ctype = mimetypes.guess_type(path.name)[0] or ""

@@ -6,6 +6,7 @@ attempt to reach further fail the test, so a broken guard cannot send a packet o
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import socket
@@ -116,10 +117,8 @@ class RawServer:
 
     def close(self) -> None:
         self.stop.set()
-        try:
+        with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept (close alone does not)
-        except OSError:
-            pass
         self.sock.close()
         self._thread.join(5)
 
