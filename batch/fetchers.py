@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import codecs
+import functools
 import http.client
 import io
 import ipaddress
@@ -31,7 +32,6 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterable
-from email.message import Message
 from pathlib import Path
 from typing import Any, TypeAlias
 from urllib.parse import quote, unquote, urljoin, urlsplit
@@ -831,13 +831,17 @@ def _is_text(ctype: str) -> bool:
     )
 
 
+@functools.lru_cache(maxsize=64)
 def _charset(ctype: str) -> str:
     """The declared charset if Python has a text codec for it, else UTF-8."""
-    msg = Message()
-    msg["Content-Type"] = ctype or "text/plain"
+    declared = "utf-8"
+    for param in ctype.split(";")[1:]:
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "charset":
+            declared = value.strip().strip("'\"").strip() or "utf-8"
+            break
     try:
-        charset = msg.get_content_charset() or "utf-8"
-        info = codecs.lookup(charset)
+        info = codecs.lookup(declared)
     except (LookupError, ValueError, TypeError, UnicodeError):
         return "utf-8"
     # "base64", "rot13", "zlib"... are codecs but not text encodings: bytes.decode
