@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from _netjail import netjail, netjail_check  # noqa: F401
-from conftest import SERVER_URLS
+from conftest import SERVER_URLS, wipe
 
 import batch
 import dcache
@@ -725,9 +725,10 @@ def test_the_database_password_is_never_printed(
         user, host = rest.split("@", 1)
         urls = [f"{scheme}://{user.split(':')[0]}:{secret}@{host}"]
     targets = write(tmp_path / "t.txt", "test://a")
+    caller = f"pw-{os.getpid()}-{time.monotonic_ns()}"  # never a job reused from a past run
     for url in urls:
         for args in (
-            ["run", "--fetch", "cli_fetch:counting", "--db", url, targets],
+            ["run", "--caller", caller, "--fetch", "cli_fetch:counting", "--db", url, targets],
             ["jobs", "--db", url],
             ["purge", "--db", url],
         ):
@@ -737,6 +738,9 @@ def test_the_database_password_is_never_printed(
             assert "Traceback" not in shown, shown
             if args[0] == "run":
                 assert ":***@" in done.stderr, done.stderr
+    if backend != "sqlite":
+        with dcache.DB.open(SERVER_URLS[backend]) as db:
+            wipe(db)
 
 
 @pytest.mark.parametrize(

@@ -445,6 +445,19 @@ def test_the_deadline_covers_every_redirect_hop(serve: Callable[..., RawServer])
     assert server.connections <= 3
 
 
+def test_a_stalled_tls_handshake_is_cut_at_the_deadline(serve: Callable[..., RawServer]) -> None:
+    """https goes through the same guarded socket: a silent peer cannot stall the handshake."""
+    # The server waits for an HTTP request head, which a ClientHello never completes: it
+    # accepts and stays silent.
+    server = serve(reply(b"never"))
+    url = f"https://127.0.0.1:{server.port}/"
+    assert isinstance(refused(url), BlockedAddressError)  # guarded like http
+    started = time.monotonic()
+    err = refused(url, Fetcher(timeout=1, allow=LOOPBACK))
+    assert "timed out" in err.message
+    assert time.monotonic() - started < 1.6
+
+
 def _big(status: str, size: int, **headers: str) -> Callable[..., None]:
     def handler(conn: socket.socket, server: RawServer) -> None:
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
