@@ -3,6 +3,11 @@
 Exit statuses: 0 success (``run``: the job is done); 1 the job ended partial, failed or
 cancelled, or the job asked for does not exist; 2 bad input or usage; 75 busy or the
 database unavailable (retry later); 130 interrupted (``run`` cancels its job first).
+
+``run`` fetches with the library's :class:`~batch.fetchers.Fetcher` built for the
+machine's own user: ``file:`` URLs and private and loopback addresses allowed (a web app
+handing URLs from strangers to the default ``batch.fetchers.fetch`` gets neither). The
+database password never appears in anything printed.
 """
 
 from __future__ import annotations
@@ -13,12 +18,14 @@ import importlib
 import io
 import json
 import os
+import re
 import signal
 import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from types import FrameType
 from typing import IO, Any, Protocol
+from urllib.parse import unquote
 
 import dcache
 
@@ -31,6 +38,7 @@ from ._errors import (
 )
 from ._runner import Fetch, Runner
 from ._values import Job, Target, TargetStatus, normalize_targets
+from .fetchers import Fetcher
 
 __all__ = [
     "EXIT_FAILED",
@@ -38,8 +46,10 @@ __all__ = [
     "EXIT_OK",
     "EXIT_TEMPFAIL",
     "EXIT_USAGE",
+    "local_fetch",
     "main",
     "read_targets",
+    "redact_url",
 ]
 
 EXIT_OK = 0
@@ -49,8 +59,21 @@ EXIT_TEMPFAIL = 75  # sysexits.h EX_TEMPFAIL: busy or database unavailable, retr
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 DEFAULT_DB = "sqlite:///batch.sqlite3"
-DEFAULT_FETCH = "batch.fetchers:fetch"
+DEFAULT_FETCH = "batch._cli:local_fetch"
 _POLL = 0.2  # seconds between progress updates while waiting
+# SQLAlchemy's own URL grammar: name://[user[:password]@]host...; the password is
+# everything up to the last "@" before the host (it may hold ":" and "/").
+_URL_CREDENTIALS = re.compile(r"^(?P<head>[\w+.-]+://[^:/@]*:)(?P<password>.*)(?P<at>@)(?=[^@]*$)")
+_URL_QUERY_PASSWORD = re.compile(r"(?P<head>[?&]password=)(?P<password>[^&]*)", re.IGNORECASE)
+_URL_SHAPE = re.compile(r"^[A-Za-z][\w+.-]*://")
+_secrets: set[str] = set()  # what _say never prints: the --db password, raw and unquoted
+
+local_fetch: Fetch = Fetcher(schemes=("http", "https", "file"), allow=("0.0.0.0/0", "::/0"))
+"""The CLI's default fetch: http, https and ``file:``, private and loopback addresses allowed.
+
+The CLI's user is the machine's own: reading local files and reaching local services is
+what they ask for. Web apps use :data:`batch.fetchers.fetch` (public addresses only).
+"""
 
 
 class InputError(Exception):
@@ -97,13 +120,14 @@ def read_targets(lines: Iterable[str], source: str = "<stdin>") -> list[Target]:
 
 def _read_file(path: str) -> list[Target]:
     if path == "-":
-        stdin = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="strict")
+        # utf-8-sig: a byte-order mark (Windows editors write one) is not part of a URL.
+        stdin = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8-sig", errors="strict")
         try:
             return read_targets(stdin.readlines(), "<stdin>")
         except UnicodeDecodeError as exc:
             raise InputError(f"<stdin>: not UTF-8 text: {exc}") from None
     try:
-        with open(path, encoding="utf-8") as fh:
+        with open(path, encoding="utf-8-sig") as fh:
             lines = fh.readlines()
     except FileNotFoundError:
         raise InputError(f"{path}: no such file") from None
@@ -139,7 +163,25 @@ def _load_fetch(spec: str) -> Fetch:
 
 
 def _say(message: str) -> None:
+    for secret in sorted(_secrets, key=len, reverse=True):
+        message = message.replace(secret, "***")
     print(f"batch: {message}", file=sys.stderr, flush=True)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password shown as ``***`` (as SQLAlchemy renders it)."""
+    url = _URL_CREDENTIALS.sub(r"\g<head>***\g<at>", url, count=1)
+    return _URL_QUERY_PASSWORD.sub(r"\g<head>***", url)
+
+
+def _remember_secret(url: str) -> None:
+    found = [
+        m["password"]
+        for m in (_URL_CREDENTIALS.match(url), *_URL_QUERY_PASSWORD.finditer(url))
+        if m
+    ]
+    for password in found:
+        _secrets.update({password, unquote(password)} - {""})
 
 
 def _emit(obj: object) -> None:
@@ -257,25 +299,67 @@ def _progress(job: Job, enabled: bool) -> _Bar:
 
 
 class _Interrupts:
-    """SIGINT handling for ``run``: the first Ctrl-C asks to cancel, the second leaves now."""
+    """SIGINT handling for ``run``: the handler counts, the main loop acts.
 
-    def __init__(self) -> None:
+    The first Ctrl-C cancels the job (the target in flight is stored); a second one,
+    however quick, still cancels it and then leaves without waiting. The handler itself
+    never raises, so a Ctrl-C cannot cut the cancel's own transaction short; only a
+    third one, for a main thread stuck elsewhere, raises ``KeyboardInterrupt``.
+
+    Python runs a handler once for signals that arrive before it gets to run (two quick
+    Ctrl-Cs while the main thread waits on a lock look like one), so the count comes
+    from the wakeup fd, where the C-level handler writes one byte per delivery.
+    """
+
+    def __init__(self, args: argparse.Namespace) -> None:
         self.asked = threading.Event()
+        self.count = 0
+        self._args = args
         self._previous: Any = None
+        self._previous_fd = -1
+        self._pipe: tuple[int, int] | None = None
+
+    def _delivered(self) -> int:
+        if self._pipe is None:
+            return 1
+        n = 0
+        while True:
+            try:
+                data = os.read(self._pipe[0], 512)
+            except BlockingIOError:
+                return n
+            if not data:
+                return n
+            n += data.count(signal.SIGINT)
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
-        if self.asked.is_set():
-            raise KeyboardInterrupt
+        delivered = self._delivered()
+        if delivered == 0:
+            return  # its byte was counted by the call before this one
+        self.count += delivered
         self.asked.set()
+        if self.count >= 3:
+            self._args.close_timeout = 0  # closing must not wait for the drain either
+            raise KeyboardInterrupt
 
     def __enter__(self) -> _Interrupts:
         if threading.current_thread() is threading.main_thread():
+            read_end, write_end = os.pipe()
+            os.set_blocking(read_end, False)
+            os.set_blocking(write_end, False)
+            self._pipe = (read_end, write_end)
+            self._previous_fd = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
             self._previous = signal.signal(signal.SIGINT, self)
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
+        if self._pipe is not None:
+            signal.set_wakeup_fd(self._previous_fd)
+            for fd in self._pipe:
+                os.close(fd)
+            self._pipe = None
 
 
 # -- commands ------------------------------------------------------------------------------
@@ -286,14 +370,28 @@ def _db_url(args: argparse.Namespace) -> str:
     return url or os.environ.get("BATCH_DB") or DEFAULT_DB
 
 
+def _open_db(args: argparse.Namespace) -> dcache.DB | int:
+    """The store named by --db / $BATCH_DB, or the exit status after saying why not."""
+    url = _db_url(args)
+    _remember_secret(url)
+    if not _URL_SHAPE.match(url):
+        _say(
+            f"--db {redact_url(url)!r} is not a database URL "
+            "(e.g. sqlite:///batch.sqlite3 or postgresql+psycopg://user@host/db)"
+        )
+        return EXIT_USAGE
+    try:
+        return dcache.DB.open(url)
+    except Exception as exc:  # any parse or driver failure: one line, never a traceback
+        _say(f"cannot open the database {redact_url(url)!r}: {exc}")
+        return EXIT_TEMPFAIL if isinstance(exc, dcache.StoreUnavailableError) else EXIT_FAILED
+
+
 def _with_runner(args: argparse.Namespace, fetch: Fetch, body: Callable[[Runner], int]) -> int:
     """Open the store and a runner, run ``body``, close both; map store failures."""
-    url = _db_url(args)
-    try:
-        db = dcache.DB.open(url)
-    except (dcache.StoreError, ValueError, ImportError) as exc:
-        _say(f"cannot open the database {url!r}: {exc}")
-        return EXIT_TEMPFAIL if isinstance(exc, dcache.StoreUnavailableError) else EXIT_FAILED
+    db = _open_db(args)
+    if isinstance(db, int):
+        return db
     try:
         runner = Runner(db, fetch)
         try:
@@ -317,16 +415,16 @@ def _refuse(target: Target) -> Any:
 def _cmd_run(args: argparse.Namespace) -> int:
     try:
         items = _read_file(args.file)
-        fetch = _load_fetch(args.fetch)
+        fetch = local_fetch if args.fetch is None else _load_fetch(args.fetch)
     except InputError as exc:
         _say(str(exc))
         return EXIT_USAGE
     show = not args.no_progress and sys.stderr.isatty()
-    with _Interrupts() as interrupts:
+    with _Interrupts(args) as interrupts:
         try:
             return _with_runner(args, fetch, lambda r: _run_job(r, args, items, interrupts, show))
         except KeyboardInterrupt:
-            _say("interrupted again: leaving now (the job stays cancelled)")
+            _say("interrupted three times: leaving at once")
             return EXIT_INTERRUPTED
 
 
@@ -363,7 +461,7 @@ def _run_job(
         elif job.status == "cancelled":
             _say("it was cancelled; to run these targets again now, pass another --caller")
     else:
-        _say(f"job {job_id}: {job.targets_total} target(s) on {_db_url(args)}")
+        _say(f"job {job_id}: {job.targets_total} target(s) on {redact_url(_db_url(args))}")
     args.close_timeout = None
     bar = _progress(job, show and job.finished_at is None)
     finished: Job | None = job if job.finished_at is not None else None
@@ -381,7 +479,7 @@ def _run_job(
     finally:
         bar.close()
     if finished is None and interrupts.asked.is_set():
-        return _interrupted(runner, args, job_id)
+        return _interrupted(runner, args, job_id, interrupts)
     found = runner.status(job_id)
     if found is None:
         _say(f"job {job_id} lapsed before its results could be read")
@@ -393,17 +491,25 @@ def _run_job(
     return EXIT_OK if final.status == "done" else EXIT_FAILED
 
 
-def _interrupted(runner: Runner, args: argparse.Namespace, job_id: str) -> int:
+def _interrupted(
+    runner: Runner, args: argparse.Namespace, job_id: str, interrupts: _Interrupts
+) -> int:
     args.close_timeout = 0  # the drain is stopping; do not wait for more
-    if runner.cancel(job_id):
-        _say(
-            f"interrupted: job {job_id} cancelled; storing the target in flight "
-            "(Ctrl-C again to leave now)"
-        )
+    # Cancel first, however many Ctrl-Cs came: leaving must never leave the job running.
+    cancelled = runner.cancel(job_id)
+    state = f"job {job_id} cancelled" if cancelled else f"job {job_id} had already ended"
+    if interrupts.count >= 2:
+        _say(f"interrupted twice: {state}; leaving without waiting for the target in flight")
+        return EXIT_INTERRUPTED
+    if cancelled:
+        _say(f"interrupted: {state}; storing the target in flight (Ctrl-C again to leave now)")
     else:
-        _say(f"interrupted: job {job_id} had already ended")
+        _say(f"interrupted: {state}")
     job: Job | None = None
     while job is None:
+        if interrupts.count >= 2:
+            _say(f"interrupted again: {state}; leaving without waiting for the target in flight")
+            return EXIT_INTERRUPTED
         try:
             job = runner.wait(job_id, timeout=_POLL)
         except TimeoutError:
@@ -495,15 +601,17 @@ def _cmd_jobs(args: argparse.Namespace) -> int:
 
 
 def _cmd_purge(args: argparse.Namespace) -> int:
-    url = _db_url(args)
+    db = _open_db(args)
+    if isinstance(db, int):
+        return db
     try:
-        with dcache.DB.open(url) as db:
+        with db:
             n = db.purge_expired()
     except dcache.StoreUnavailableError as exc:
         _say(f"the database is unavailable: {exc}; retry later")
         return EXIT_TEMPFAIL
-    except (dcache.StoreError, ValueError, ImportError) as exc:
-        _say(f"cannot purge {url!r}: {exc}")
+    except dcache.StoreError as exc:
+        _say(f"cannot purge {redact_url(_db_url(args))!r}: {exc}")
         return EXIT_FAILED
     if args.json:
         _emit({"purged": n})
@@ -550,14 +658,18 @@ def _parser() -> argparse.ArgumentParser:
         "each target's outcome as a JSON line on stdout. Running the same file again "
         "while the job's lease holds reuses the job: its stored results are printed "
         "without fetching again. Ctrl-C cancels the job (the target in flight is "
-        "stored) and exits 130; a second Ctrl-C exits at once.",
+        "stored) and exits 130; a second Ctrl-C, however quick, cancels it too and exits "
+        "without waiting for the target in flight. The default fetcher reads file: URLs "
+        "and reaches private and loopback addresses (this machine's user is trusted); a "
+        "web app's default (batch.fetchers:fetch) allows neither.",
     )
     run.add_argument("file", metavar="FILE", help="the targets file, or - for stdin")
     run.add_argument(
         "--fetch",
         metavar="MODULE:CALLABLE",
-        default=DEFAULT_FETCH,
-        help=f"the fetch function (default: {DEFAULT_FETCH}: http, https and file URLs)",
+        default=None,
+        help="the fetch function (default: the library's Fetcher for http, https and file "
+        "URLs, with private and loopback addresses allowed)",
     )
     run.add_argument(
         "--caller",

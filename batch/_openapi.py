@@ -18,7 +18,7 @@ _TARGET_STATUSES = ["pending", "running", "done", "failed"]
 _ERROR_TYPES = (
     "bad_request, invalid_parameter, invalid_idempotency_key, unauthorized, not_found, "
     "method_not_allowed, job_finished, payload_too_large, unsupported_media_type, "
-    "invalid_request, invalid_targets, too_many_targets, idempotency_key_reused, "
+    "invalid_request, invalid_targets, too_many_targets, refused_target, idempotency_key_reused, "
     "caller_busy, busy, unavailable, internal"
 )
 
@@ -194,6 +194,7 @@ _SCHEMAS: dict[str, Any] = {
                     "retry_after": {"type": "integer"},
                     "status": {"type": "string", "enum": _JOB_STATUSES},
                     "parameter": {"type": "string"},
+                    "hint": {"type": "string"},
                 },
                 "additionalProperties": False,
             }
@@ -263,8 +264,13 @@ def _paths(prefix: str) -> dict[str, Any]:
                     "413": _error("The body is too large."),
                     "415": _error("The body is not application/json."),
                     "422": _error(
-                        "Not a {targets: [...]} object, invalid or too many targets, or an "
-                        "Idempotency-Key reused with a different payload."
+                        "Not a {targets: [...]} object, invalid or too many targets, an "
+                        "Idempotency-Key reused with a different payload, or "
+                        "(refused_target, with index, field and hint) a target the server's "
+                        "fetcher refuses outright: a URL scheme it does not fetch (file:, "
+                        "by default) or a host written as an address it may not reach "
+                        "(loopback, private, link-local...; host names are judged when "
+                        "fetched, and fail that target instead)."
                     ),
                     "429": _error(
                         "The caller has too many live jobs (caller_busy) or the service "

@@ -14,8 +14,10 @@ Routes (under ``/jobs`` by default; the OpenAPI 3.1 document is ``/jobs/openapi.
 
 Every error is ``{"error": {"type": ..., "message": ..., ...context}}``. A caller only
 ever sees its own jobs: another caller's job answers 404, exactly as an unknown id does.
-This layer never fetches anything itself: the runner's ``fetch`` does, and an app that
-lets strangers name URLs must guard that fetch against SSRF.
+This layer never fetches anything itself: the runner's ``fetch`` does. When that is the
+library's :class:`batch.fetchers.Fetcher` (public addresses only, by default), a target
+it would surely refuse (its scheme, or a host spelled as a refused address) answers 422
+``refused_target`` before any job is made; names are judged when connected.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from ._dashboard import dashboard
 from ._errors import (
     BusyError,
     CallerBusyError,
+    FetchError,
     IdempotencyKeyMismatchError,
     InvalidTargetsError,
     RunnerClosedError,
@@ -46,7 +49,8 @@ from ._errors import (
 from ._metrics import metrics
 from ._openapi import document
 from ._runner import Runner
-from ._values import MAX_KEY_LENGTH, Job
+from ._values import MAX_KEY_LENGTH, Job, normalize_targets
+from .fetchers import Fetcher
 
 __all__ = [
     "DEFAULT_MAX_BODY",
@@ -246,6 +250,26 @@ class BatchAPI:
         except SubmitError as exc:  # a future kind: keep its status, stay in one shape
             raise APIError(exc.http_status, "invalid_request", str(exc)) from None
 
+    def _precheck(self, targets: Any) -> None:
+        """422 for a target the runner's :class:`Fetcher` would surely refuse."""
+        fetcher = self.runner.fetch
+        if not isinstance(fetcher, Fetcher):
+            return  # an app's own fetch: only it knows what it refuses
+        try:
+            items = normalize_targets(targets)
+        except InvalidTargetsError:
+            return  # submit refuses it with the same words and context
+        for index, target in enumerate(items):
+            try:
+                fetcher.check_url(target.url)
+            except FetchError as exc:
+                raise APIError(
+                    422,
+                    "refused_target",
+                    f"targets[{index}].url: {exc.message}",
+                    context={"index": index, "field": "url", "hint": exc.hint},
+                ) from None
+
     def _unavailable(self, message: str) -> APIError:
         return APIError(
             503,
@@ -280,6 +304,7 @@ class BatchAPI:
                 422, "invalid_request", "the body has no targets", context={"field": "targets"}
             )
         key = self._idempotency_key()
+        self._precheck(payload["targets"])
         job_id, reused = self._submit(caller, caller_class, payload["targets"], key)
         job = self.runner.job(job_id)
         if job is None:  # lapsed between the submit and this read: submit again
@@ -459,6 +484,14 @@ def _build(
         _method_not_allowed("GET, HEAD, DELETE"),
         methods=["POST", "PUT", "PATCH"],
     )
+    # "<prefix>/" (an empty job id) matches no rule above; without this it fell through
+    # to the app's HTML 404.
+    bp.add_url_rule(
+        "/",
+        "no_job_id",
+        _no_job_id,
+        methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"],
+    )
     bp.add_url_rule(
         "/<path:rest>",
         "unknown",
@@ -492,6 +525,14 @@ def _method_not_allowed(allow: str) -> Callable[..., Response]:
 
 def _unknown_path(rest: str) -> Response:
     return APIError(404, "not_found", "no such resource").response()
+
+
+def _no_job_id() -> Response:
+    return APIError(
+        404,
+        "not_found",
+        "no job id in the path: a job's URL is the Location its POST returned",
+    ).response()
 
 
 def init_app(

@@ -464,7 +464,85 @@ def _rss_now() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+# -- the fetch path ---------------------------------------------------------------------
+
+_PAGE_SERVER = """
+import http.server, sys
+BODY = b"x" * 1024
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(BODY)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(BODY)
+    def log_message(self, *a):
+        pass
+s = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+s.daemon_threads = True
+print(s.server_address[1], flush=True)
+s.serve_forever()
+"""
+
+
+def fetch(spec: Spec, variant: str) -> list[Row]:
+    """Median of one GET of a 1 KiB page from a server process on 127.0.0.1.
+
+    ``http.client`` (the floor): a connection, the request, the whole body read and
+    decoded, the connection closed. ``fetcher``: the library's ``Fetcher`` with the
+    loopback address allowed: the same, plus the address guard, the deadline and the cap.
+    """
+    import http.client
+
+    import batch
+    from batch.fetchers import Fetcher
+
+    server = subprocess.Popen(
+        [sys.executable, "-c", _PAGE_SERVER], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        url = f"http://127.0.0.1:{port}/page"
+        if variant == "http.client":
+
+            def one() -> int:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+                try:
+                    conn.request("GET", "/page", headers={"Connection": "close"})
+                    resp = conn.getresponse()
+                    if resp.status != 200:
+                        raise RuntimeError(f"HTTP {resp.status}")
+                    return len(resp.read().decode("utf-8"))
+                finally:
+                    conn.close()
+
+        else:
+            fetcher = Fetcher(allow=["127.0.0.1"])
+            target = batch.Target(url)
+
+            def one() -> int:
+                return len(fetcher(target).content)
+
+        for _ in range(20):
+            one()
+        gc.collect()
+        samples = []
+        for _ in range(spec.params.samples):
+            t0 = time.perf_counter_ns()
+            got = one()
+            samples.append((time.perf_counter_ns() - t0) / 1e3)
+            if got != 1024:
+                raise RuntimeError(f"fetched {got} characters, not 1024")
+    finally:
+        server.kill()
+        server.wait(10)
+    return [_row(f"fetch/{variant}", spec.backend, percentile(samples, 50), "µs")]
+
+
 CASES: dict[str, Callable[[Spec, str], list[Row]]] = {
+    "fetch": fetch,
     "drain": drain,
     "submit": submit,
     "status": status,

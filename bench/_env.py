@@ -44,6 +44,8 @@ BACKENDS: dict[str, Backend] = {
 SQL_BACKENDS = list(BACKENDS)
 # Only for the optional Huey-on-Redis comparison row.
 BACKENDS["redis"] = Backend("redis", "redis")
+# Only for the fetch rows: no database, a page served on 127.0.0.1 by a child process.
+BACKENDS["loopback"] = Backend("loopback", "http")
 REDIS_URL = "redis://127.0.0.1:6379/15"
 
 

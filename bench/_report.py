@@ -18,6 +18,7 @@ ORDER = [
     "growth-submit-p99",
     "memory",
     "memory-rss",
+    "fetch",
 ]
 VARIANTS = [
     "raw",
@@ -30,8 +31,10 @@ VARIANTS = [
     "huey-redis",
     "payload",
     "single",
+    "http.client",
+    "fetcher",
 ]
-BACKEND_ORDER = ["sqlite", "sqlite-full", "postgresql", "mariadb", "redis"]
+BACKEND_ORDER = ["sqlite", "sqlite-full", "postgresql", "mariadb", "redis", "loopback"]
 
 LABELS = {
     "raw": "raw driver, same SQL (floor)",
@@ -71,6 +74,8 @@ def floor_of(row: str, backend: str, small_label: str) -> tuple[str, str] | None
         return None if variant == small_label else (f"{group}/{small_label}", backend)
     if group in ("memory", "memory-rss"):
         return None if variant == "payload" else ("memory/payload", backend)
+    if group == "fetch":
+        return None if variant == "http.client" else ("fetch/http.client", backend)
     return None
 
 
@@ -109,6 +114,10 @@ def describe(row: str) -> str:
         if variant == "payload":
             return "status of 32 x 1 MiB: payload (floor)"
         return f"status of 32 x 1 MiB: tracemalloc peak, {STATUS_LABELS.get(variant, variant)}"
+    if group == "fetch":
+        if variant == "http.client":
+            return "fetch of a 1 KiB page on 127.0.0.1: http.client, read whole (floor)"
+        return "fetch of a 1 KiB page on 127.0.0.1: batch.fetchers.Fetcher(allow=...)"
     if group == "memory-rss":
         return f"status of 32 x 1 MiB: RSS peak growth, {STATUS_LABELS.get(variant, variant)}"
     return row

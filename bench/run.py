@@ -41,6 +41,7 @@ DRAIN = ["raw", "core", "store", "writer", "runner"]
 SUBMIT = ["raw", "core", "store"]
 STATUS = ["raw", "core", "store", "runner"]
 MEMORY = ["raw", "store", "runner"]
+FETCH = ["http.client", "fetcher"]
 GROWTH_BACKENDS = ["sqlite", "postgresql"]
 
 
@@ -171,6 +172,7 @@ def plan(
         cases += [(f"memory/{v}", b) for v in (["runner"] if args.quick else MEMORY)]
     if "sqlite" in up:
         cases.append(("concurrent/runner", "sqlite"))
+    cases += [(f"fetch/{v}", "loopback") for v in FETCH]
     if p.prefill > 0:
         for b in GROWTH_BACKENDS:
             if b in up:
@@ -240,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     pack = args.pack or (12 if args.quick else 1)
     urls = server_urls(args.postgres_url, args.mysql_url)
     urls["redis"] = redis_url(args.redis_url)
+    urls["loopback"] = "http://127.0.0.1"  # the fetch rows' page server (started per row)
     notes: list[str] = []
     cases = plan(args, p, urls, notes)
     if not cases:

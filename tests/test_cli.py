@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _netjail import netjail, netjail_check  # noqa: F401
+from conftest import SERVER_URLS, wipe
 
 import batch
 import dcache
@@ -24,6 +26,8 @@ from batch import _cli
 from batch.fetchers import Fetcher
 
 DATA = Path(__file__).parent / "data"
+LOCAL: dict[str, Any] = {"allow": ["127.0.0.0/8"], "schemes": ("http", "https", "file")}
+"""What these tests' fetchers allow: the loopback test server and files, as the CLI does."""
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -186,7 +190,7 @@ def server() -> Iterator[str]:
 
 
 def _fetch(url: str, fetcher: Fetcher | None = None, **options: Any) -> batch.Result:
-    return (fetcher or Fetcher())(batch.Target(url, batch.Options(**options)))
+    return (fetcher or Fetcher(**LOCAL))(batch.Target(url, batch.Options(**options)))
 
 
 def _refused(url: str, fetcher: Fetcher | None = None, **options: Any) -> batch.FetchError:
@@ -218,12 +222,12 @@ def test_fetcher_returns_binary_bodies_as_base64(server: str) -> None:
 
 def test_fetcher_follows_a_bounded_number_of_redirects(server: str) -> None:
     """Redirects are followed up to max_redirects; more fail the target."""
-    res = _fetch(server + "/hop/3", Fetcher(max_redirects=3))
+    res = _fetch(server + "/hop/3", Fetcher(max_redirects=3, **LOCAL))
     assert res.content == "landed"
     assert res.meta["url"] == server + "/hop/0"
-    err = _refused(server + "/hop/4", Fetcher(max_redirects=3))
+    err = _refused(server + "/hop/4", Fetcher(max_redirects=3, **LOCAL))
     assert "too many redirects" in err.message
-    assert "redirects" in _refused(server + "/hop/1", Fetcher(max_redirects=0)).message
+    assert "redirects" in _refused(server + "/hop/1", Fetcher(max_redirects=0, **LOCAL)).message
 
 
 def test_fetcher_never_follows_a_redirect_out_of_http(server: str) -> None:
@@ -242,7 +246,7 @@ def test_fetcher_fails_http_errors_with_hints(server: str) -> None:
 
 def test_fetcher_caps_the_body_size(server: str) -> None:
     """Bodies over max_bytes fail, whether or not the server declares the length."""
-    small = Fetcher(max_bytes=4096)
+    small = Fetcher(max_bytes=4096, **LOCAL)
     assert "5000 bytes" in _refused(server + "/big", small).message
     assert "over 4096 bytes" in _refused(server + "/big-unsized", small).message
     assert len(_fetch(server + "/big-unsized").content) == 10_000
@@ -250,10 +254,10 @@ def test_fetcher_caps_the_body_size(server: str) -> None:
 
 def test_fetcher_times_out(server: str) -> None:
     """A server that does not answer, or drips its body, fails within the timeout."""
-    fast = Fetcher(timeout=0.3)
+    fast = Fetcher(timeout=0.3, **LOCAL)
     started = time.monotonic()
     assert "timed out" in _refused(server + "/hang", fast).message
-    assert "took over" in _refused(server + "/drip", fast).message
+    assert "timed out" in _refused(server + "/drip", fast).message
     assert time.monotonic() - started < 5
 
 
@@ -297,7 +301,7 @@ def test_fetcher_reads_files(tmp_path: Path) -> None:
     assert "no such file" in _refused((tmp_path / "nope").as_uri()).message
     assert "directory" in _refused(tmp_path.as_uri()).message
     assert "remote host" in _refused("file://example.org/etc/hosts").message
-    assert "at most 4" in _refused(page.as_uri(), Fetcher(max_bytes=4)).message
+    assert "at most 4" in _refused(page.as_uri(), Fetcher(max_bytes=4, **LOCAL)).message
 
 
 def test_fetcher_refuses_options_it_cannot_honour(tmp_path: Path) -> None:
@@ -651,3 +655,123 @@ def test_db_option_and_environment(
     assert "purged 0" in capsys.readouterr().out
     assert _cli.main(["jobs", "--db", "nosuchdialect://x"]) == 1
     assert _cli.main(["--help"]) == 0
+
+
+# -- the CLI's own fetcher, Ctrl-C, secrets, odd input ---------------------------------------
+
+
+def test_the_cli_fetcher_reads_files_and_private_addresses_and_says_so(
+    tmp_path: Path, server: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The machine's own user may read local files and local services; --help says so."""
+    page = tmp_path / "p.txt"
+    page.write_text("local")
+    assert _cli.local_fetch(batch.Target(page.as_uri())).content == "local"
+    assert _cli.local_fetch(batch.Target(server + "/json")).content == '{"a": 1}'
+    with pytest.raises(batch.FetchError, match="blocked address 127.0.0.1"):
+        batch.fetchers.fetch(batch.Target(server + "/json"))
+    with pytest.raises(batch.FetchError, match="scheme 'file' refused"):
+        batch.fetchers.fetch(batch.Target(page.as_uri()))
+    assert _cli.main(["run", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "private and loopback addresses" in text
+    assert "file" in text
+
+
+def _sigint_pending(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status").read_text()
+    masks = [int(line.split()[1], 16) for line in status.splitlines() if "Pnd:" in line]
+    return any(mask & (1 << (signal.SIGINT - 1)) for mask in masks)
+
+
+def test_a_quick_double_ctrl_c_cancels_the_job_and_leaves(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """Two Ctrl-Cs in a row (before the first is acted on) still cancel, then exit 130."""
+    targets = write(tmp_path / "t.txt", "test://x/a", "test://x/b", "test://x/c")
+    proc = spawn(env, "run", "--fetch", "cli_fetch:blocking", targets)
+    try:
+        until(lambda: _started(tmp_path, "a"))
+        started = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        # The kernel drops a second SIGINT sent while the first is still pending: wait
+        # for its delivery (not for the CLI to act on it), then press again.
+        until(lambda: not _sigint_pending(proc.pid), timeout=10)
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=30)
+        took = time.monotonic() - started
+    finally:
+        Path(env["BATCH_TEST_GO"]).touch()
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert took < 10, "it waited for the blocked fetch"
+    assert "interrupted twice" in err or "interrupted again" in err
+    assert "cancelled" in err
+    assert "Traceback" not in err
+    assert only_job(env).status == "cancelled"
+    assert fetched(env) == ["test://x/a"]
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql", "mariadb"])
+def test_the_database_password_is_never_printed(
+    env: dict[str, str], tmp_path: Path, backend: str
+) -> None:
+    """A --db password (raw or %-encoded) shows as *** in every message, pass or fail."""
+    secret = "S3cret%40pw"
+    if backend == "sqlite":
+        urls = [f"postgresql+psycopg://someone:{secret}@127.0.0.1:1/nothing"]
+    else:
+        scheme, rest = SERVER_URLS[backend].split("://", 1)
+        user, host = rest.split("@", 1)
+        urls = [f"{scheme}://{user.split(':')[0]}:{secret}@{host}"]
+    targets = write(tmp_path / "t.txt", "test://a")
+    caller = f"pw-{os.getpid()}-{time.monotonic_ns()}"  # never a job reused from a past run
+    for url in urls:
+        for args in (
+            ["run", "--caller", caller, "--fetch", "cli_fetch:counting", "--db", url, targets],
+            ["jobs", "--db", url],
+            ["purge", "--db", url],
+        ):
+            done = cli(env, *args)
+            shown = done.stdout + done.stderr
+            assert "S3cret" not in shown, shown
+            assert "Traceback" not in shown, shown
+            if args[0] == "run":
+                assert ":***@" in done.stderr, done.stderr
+    if backend != "sqlite":
+        with dcache.DB.open(SERVER_URLS[backend]) as db:
+            wipe(db)
+
+
+@pytest.mark.parametrize(
+    "url", ["not a url", "://", "postgresql://u:Pw-secret@127.0.0.1:notaport/db", "sqlite"]
+)
+def test_a_malformed_db_url_is_a_one_line_error(env: dict[str, str], url: str) -> None:
+    """No traceback, no password, a non-zero exit: a typo in --db is bad input."""
+    done = cli(env, "jobs", "--db", url)
+    assert done.returncode != 0
+    lines_ = done.stderr.strip().splitlines()
+    assert len(lines_) == 1, done.stderr
+    assert lines_[0].startswith("batch: ")
+    assert "Pw-secret" not in done.stderr
+
+
+def test_a_utf8_bom_is_not_part_of_the_first_url(env: dict[str, str], tmp_path: Path) -> None:
+    """A file saved by an editor that writes a byte-order mark reads as without one."""
+    path = tmp_path / "bom.txt"
+    path.write_bytes(b"\xef\xbb\xbftest://a\ntest://b\n")
+    done = cli(env, "run", "--fetch", "cli_fetch:counting", str(path))
+    assert done.returncode == 0, done.stderr
+    assert [t["url"] for t in lines(done.stdout)] == ["test://a", "test://b"]
+    piped = cli(
+        env,
+        "run",
+        "--caller",
+        "pipe",
+        "--fetch",
+        "cli_fetch:counting",
+        "-",
+        stdin="\ufefftest://c\n",
+    )
+    assert piped.returncode == 0, piped.stderr
+    assert [t["url"] for t in lines(piped.stdout)] == ["test://c"]

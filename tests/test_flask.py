@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from _netjail import netjail, netjail_check  # noqa: F401
 from flask import Flask, Request
 from jsonschema import Draft202012Validator
 from openapi_spec_validator import validate as validate_spec
@@ -21,6 +22,7 @@ import batch
 import dcache
 from batch import flask as batch_flask
 from batch._openapi import document
+from batch.fetchers import Fetcher
 
 # -- a fetch the tests drive --------------------------------------------------------------
 
@@ -626,3 +628,72 @@ def test_responses_are_never_cached(make: Make) -> None:
     resp = api.post([{"url": "test://a"}])
     assert resp.headers["Cache-Control"] == "no-store"
     assert all(status < 500 for _m, _p, status in api.checked)
+
+
+def test_the_prefix_with_a_slash_answers_a_json_404(make: Make) -> None:
+    """GET /jobs/ (no id) answers in the API's JSON shape, not Flask's HTML page."""
+    api, _ = make()
+    for method in ("GET", "POST", "DELETE"):
+        body = _error(api.open(method, "/jobs/"), 404, "not_found")
+        assert "job id" in body["message"]
+    assert api.post([{"url": "test://a"}]).status_code == 202
+    _error(api.open("GET", "/jobs"), 405, "method_not_allowed")
+
+
+@pytest.fixture
+def fetcher_api() -> Iterator[Callable[..., Api]]:
+    """An API whose runner fetches with the library's Fetcher (as built by the test)."""
+    made: list[batch.Runner] = []
+    store = dcache.DB.memory()
+
+    def build(fetcher: Fetcher) -> Api:
+        config = batch.Config(jobs_per_caller=10)
+        runner = batch.Runner(store, fetcher, config)
+        made.append(runner)
+        app = Flask("fetcher_app")
+        app.testing = True
+        batch_flask.init_app(app, runner, identify)
+        return Api(app)
+
+    try:
+        yield build
+    finally:
+        for runner in made:
+            runner.close(timeout=10)
+        store.close()
+
+
+@pytest.mark.parametrize(
+    ("url", "words"),
+    [
+        ("http://127.0.0.1/", "blocked address 127.0.0.1 (loopback)"),
+        ("http://2130706433/admin", "blocked address 127.0.0.1 (loopback)"),
+        ("http://[::ffff:10.0.0.5]:8080/", "private network"),
+        ("http://169.254.169.254/latest/meta-data/", "link-local"),
+        ("file:///etc/passwd", "URL scheme 'file' refused"),
+        ("gopher://example.org/", "URL scheme 'gopher' refused"),
+    ],
+)
+def test_the_default_fetcher_refuses_targets_early_with_422(
+    fetcher_api: Callable[..., Api], url: str, words: str
+) -> None:
+    """A target the library's Fetcher would surely refuse never becomes a job."""
+    api = fetcher_api(Fetcher())
+    resp = api.post([{"url": "https://example.org/"}, {"url": url}])
+    body = _error(resp, 422, "refused_target")
+    assert body["index"] == 1
+    assert body["field"] == "url"
+    assert words in body["message"]
+    assert body["hint"]
+
+
+def test_early_refusal_follows_the_fetchers_own_policy(fetcher_api: Callable[..., Api]) -> None:
+    """allow= and schemes= open what they name; an app's own fetch is never second-guessed."""
+    local = fetcher_api(Fetcher(allow=["127.0.0.0/8"], schemes=("http", "file")))
+    assert local.post([{"url": "http://127.0.0.1:9/"}], caller="a").status_code == 202
+    assert local.post([{"url": "file:///nonexistent"}], caller="b").status_code == 202
+    names = fetcher_api(Fetcher())
+    # A name is judged when connected (then refused there, failing only its target).
+    assert names.post([{"url": "http://localhost:9/"}], caller="c").status_code == 202
+    # Malformed lists still get the usual invalid_targets answer.
+    _error(names.post([{"url": ""}], caller="d"), 422, "invalid_targets")

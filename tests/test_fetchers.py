@@ -1,0 +1,576 @@
+"""The default fetcher's address guard, deadline and byte caps, against real loopback servers.
+
+Every server here is a real socket on 127.0.0.x; the network jail (``_netjail``) makes any
+attempt to reach further fail the test, so a broken guard cannot send a packet off the box.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _netjail import NetJailError, clear, netjail, netjail_check, violations  # noqa: F401
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import batch
+from batch.fetchers import (
+    BlockedAddressError,
+    Fetcher,
+    Guard,
+    address_refusal,
+    parse_ip_literal,
+)
+
+LOOPBACK = ["127.0.0.0/8", "::1"]
+
+# -- a raw loopback server: counts connections and the bytes it managed to send ------------
+
+
+class RawServer:
+    """A TCP server on ``host`` running ``handler(conn, server)`` per connection."""
+
+    def __init__(
+        self,
+        handler: Callable[[socket.socket, RawServer], None],
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.sock.listen(16)
+        self.host = host
+        self.port: int = self.sock.getsockname()[1]
+        self.handler = handler
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.sent = 0
+        self.active = 0
+        self.idle = threading.Condition()
+        self.stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        netloc = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{netloc}:{self.port}"
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with self._lock:
+                self.connections += 1
+            with self.idle:
+                self.active += 1
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        try:
+            self._converse(conn)
+        finally:
+            with self.idle:
+                self.active -= 1
+                self.idle.notify_all()
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        """Wait until every connection's handler has returned (its writes failed or ended)."""
+        with self.idle:
+            assert self.idle.wait_for(lambda: self.active == 0, timeout), "handler still busy"
+
+    def _converse(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(10)
+            try:
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    data = conn.recv(4096)
+                    if not data:
+                        return
+                    head += data
+                with self._lock:
+                    self.requests.append(head)
+                self.handler(conn, self)
+            except OSError:
+                pass
+
+    def send(self, conn: socket.socket, data: bytes) -> None:
+        conn.sendall(data)
+        with self._lock:
+            self.sent += len(data)
+
+    def close(self) -> None:
+        self.stop.set()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept (close alone does not)
+        self.sock.close()
+        self._thread.join(5)
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[..., RawServer]]:
+    made: list[RawServer] = []
+
+    def make(handler: Callable[[socket.socket, RawServer], None], **kw: Any) -> RawServer:
+        server = RawServer(handler, **kw)
+        made.append(server)
+        return server
+
+    yield make
+    for server in made:
+        server.close()
+
+
+def reply(body: bytes = b"hello", status: str = "200 OK", **headers: str) -> Callable[..., None]:
+    def handler(conn: socket.socket, server: RawServer) -> None:
+        lines = [f"HTTP/1.1 {status}", "Connection: close"]
+        if "Content_Type" not in headers:
+            lines.append("Content-Type: text/plain; charset=utf-8")
+        lines += [f"{k.replace('_', '-')}: {v}" for k, v in headers.items()]
+        lines.append(f"Content-Length: {len(body)}")
+        server.send(conn, ("\r\n".join(lines) + "\r\n\r\n").encode() + body)
+
+    return handler
+
+
+def get(url: str, fetcher: Fetcher | None = None) -> batch.Result:
+    return (fetcher or Fetcher())(batch.Target(url))
+
+
+def refused(url: str, fetcher: Fetcher | None = None) -> batch.FetchError:
+    with pytest.raises(batch.FetchError) as info:
+        get(url, fetcher)
+    return info.value
+
+
+# -- the address policy -----------------------------------------------------------------------
+
+
+def test_a_loopback_server_is_refused_by_default_and_reached_with_allow(
+    serve: Callable[..., RawServer],
+) -> None:
+    """The default fetcher never connects to 127.0.0.1; allow= names the exception."""
+    server = serve(reply(b"inside"))
+    err = refused(server.url + "/")
+    assert isinstance(err, BlockedAddressError)
+    assert err.message == "blocked address 127.0.0.1 (loopback)"
+    assert "Fetcher(allow=['127.0.0.1'])" in err.hint
+    assert server.connections == 0
+
+    assert get(server.url + "/", Fetcher(allow=["127.0.0.1"])).content == "inside"
+    assert get(server.url + "/", Fetcher(allow=["127.0.0.0/8"])).content == "inside"
+    by_name = f"http://localhost:{server.port}/"
+    assert get(by_name, Fetcher(allow=["localhost"])).content == "inside"
+    asked: list[tuple[str, str]] = []
+
+    def only_this_port_host(host: str, address: Any) -> bool:
+        asked.append((host, str(address)))
+        return host == "127.0.0.1"
+
+    assert get(server.url + "/", Fetcher(allow=only_this_port_host)).content == "inside"
+    assert asked == [("127.0.0.1", "127.0.0.1")]
+    assert server.connections == 4
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        "2130706433",
+        "0x7f.1",
+        "127.1",
+        "017700000001",
+        "[::ffff:127.0.0.1]",
+        "0",
+        "0.0.0.0",
+        "[::1]",
+        "[::]",
+        "localhost",
+    ],
+)
+def test_every_spelling_of_this_host_is_refused(serve: Callable[..., RawServer], host: str) -> None:
+    """Decimal, hex, short, mapped and named spellings of loopback never connect."""
+    server = serve(reply(b"inside"))
+    err = refused(f"http://{host}:{server.port}/")
+    assert err.message.startswith("blocked address "), err.message
+    assert "Fetcher(allow=" in err.hint
+    assert server.connections == 0
+    if host != "localhost":  # names are judged when connected
+        with pytest.raises(BlockedAddressError):
+            Fetcher().check_url(f"http://{host}:{server.port}/")
+
+
+@pytest.mark.parametrize(
+    ("host", "reason"),
+    [
+        ("10.0.0.5", "private network"),
+        ("172.16.3.4", "private network"),
+        ("192.168.1.1", "private network"),
+        ("100.64.0.1", "shared address space (CGNAT)"),
+        ("169.254.169.254", "link-local, cloud metadata"),
+        ("192.0.2.1", "documentation"),
+        ("224.0.0.251", "multicast"),
+        ("255.255.255.255", "broadcast"),
+        ("[fd00::1]", "unique-local (private network)"),
+        ("[fe80::1]", "link-local"),
+        ("[ff02::1]", "multicast"),
+        ("[2001:db8::1]", "documentation"),
+        ("[::ffff:10.0.0.5]", "private network, IPv4-mapped 10.0.0.5"),
+        ("[64:ff9b::a9fe:a9fe]", "link-local, cloud metadata, NAT64 169.254.169.254"),
+        ("[2002:a00:5::1]", "private network, 6to4 10.0.0.5"),
+    ],
+)
+def test_private_and_special_addresses_are_refused_before_any_connect(
+    host: str, reason: str
+) -> None:
+    """Every non-global range fails the target with its reason; no connect is attempted."""
+    err = refused(f"http://{host}/latest/meta-data/")
+    address = host.strip("[]")
+    assert err.message == f"blocked address {ipaddress.ip_address(address)} ({reason})"
+    assert violations() == []  # the jail saw no connect: the guard refused first
+
+
+def test_a_redirect_to_a_refused_address_fails_without_reaching_it(
+    serve: Callable[..., RawServer],
+) -> None:
+    """Each hop is judged at its connect: an allowed server cannot bounce us inside."""
+    inside = serve(reply(b"secret"), host="127.0.0.1")
+    outside = serve(reply(b"", "302 Found", Location=inside.url + "/admin"), host="127.0.0.2")
+    named = serve(
+        reply(b"", "302 Found", Location=f"http://localhost:{inside.port}/"), host="127.0.0.2"
+    )
+    fetcher = Fetcher(allow=["127.0.0.2"])
+    err = refused(outside.url + "/", fetcher)
+    assert err.message == "blocked address 127.0.0.1 (loopback)"
+    err = refused(named.url + "/", fetcher)
+    assert err.message.startswith("blocked address ")
+    assert err.message.endswith("(loopback) for host 'localhost'")
+    assert (outside.connections, named.connections, inside.connections) == (1, 1, 0)
+
+
+def test_dns_rebinding_cannot_move_the_connection(
+    serve: Callable[..., RawServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resolver answering allowed 127.0.0.2 first, then 127.0.0.1, never reaches .1."""
+    allowed = serve(reply(b"allowed"), host="127.0.0.2")
+    try:
+        forbidden = serve(reply(b"secret"), host="127.0.0.1", port=allowed.port)
+    except OSError:
+        pytest.skip("port taken on 127.0.0.1")
+    answers = ["127.0.0.2", "127.0.0.1", "127.0.0.1", "127.0.0.1"]
+    calls: list[str] = []
+
+    def rebinding(host: Any, port: Any, *args: Any, **kw: Any) -> Any:
+        if host != "rebind.test":
+            return real(host, port, *args, **kw)
+        address = answers[min(len(calls), len(answers) - 1)]
+        calls.append(address)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (address, int(port)))]
+
+    real = socket.getaddrinfo
+    monkeypatch.setattr(socket, "getaddrinfo", rebinding)
+    url = f"http://rebind.test:{allowed.port}/"
+    result = get(url, Fetcher(allow=["127.0.0.2"]))
+    assert result.content == "allowed"
+    assert forbidden.connections == 0
+    # Asked again (the rebinding answer now first): refused at the check itself.
+    err = refused(url, Fetcher(allow=["127.0.0.2"]))
+    assert err.message == "blocked address 127.0.0.1 (loopback) for host 'rebind.test'"
+    assert forbidden.connections == 0
+    assert calls == ["127.0.0.2", "127.0.0.1"]  # one resolution per connection
+
+
+def test_a_name_with_any_refused_address_is_refused(
+    serve: Callable[..., RawServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every candidate address is judged: one refused answer refuses the name."""
+    allowed = serve(reply(b"allowed"), host="127.0.0.2")
+
+    def two(host: Any, port: Any, *args: Any, **kw: Any) -> Any:
+        return [
+            (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.2", int(port))),
+            (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", int(port))),
+        ]
+
+    monkeypatch.setattr(socket, "getaddrinfo", two)
+    err = refused(f"http://two.test:{allowed.port}/", Fetcher(allow=["127.0.0.2"]))
+    assert "blocked address 127.0.0.1" in err.message
+    assert allowed.connections == 0
+
+
+def test_an_explicit_proxy_is_used_and_the_environment_is_not(
+    serve: Callable[..., RawServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """http_proxy in the environment is ignored; Fetcher(proxy=...) sends through it."""
+    proxy = serve(reply(b"via proxy"))
+    origin = serve(reply(b"direct"), host="127.0.0.2")
+    monkeypatch.setenv("http_proxy", proxy.url)
+    monkeypatch.setenv("HTTP_PROXY", proxy.url)
+    assert get(origin.url + "/x", Fetcher(allow=["127.0.0.2"])).content == "direct"
+    assert proxy.connections == 0
+    assert get(origin.url + "/x?q=1", Fetcher(proxy=proxy.url)).content == "via proxy"
+    assert proxy.requests[0].startswith(f"GET {origin.url}/x?q=1 HTTP/1.1\r\n".encode())
+    assert origin.connections == 1
+    with pytest.raises(ValueError, match="proxy"):
+        Fetcher(proxy="socks5://127.0.0.1:1080")
+
+
+def test_check_url_refuses_schemes_and_literal_addresses_only() -> None:
+    """The early check (the HTTP API's 422) judges what it can without resolving."""
+    strict = Fetcher()
+    for url in ("http://127.0.0.1/", "https://[::1]/", "http://10.1.2.3:8080/x"):
+        with pytest.raises(BlockedAddressError):
+            strict.check_url(url)
+    for url in ("file:///etc/passwd", "ftp://example.org/", "gopher://x/", "nope"):
+        with pytest.raises(batch.FetchError, match="scheme"):
+            strict.check_url(url)
+    strict.check_url("https://example.org/")  # a name: judged when connected
+    strict.check_url("http://8.8.8.8/")
+    Fetcher(allow=["10.0.0.0/8"]).check_url("http://10.1.2.3/")
+    with pytest.raises(batch.FetchError, match="no host"):
+        strict.check_url("http:///path")
+
+
+def test_allow_refuses_nonsense() -> None:
+    """A typo in allow= is a ValueError at construction, not a silent no-op."""
+    with pytest.raises(ValueError, match="neither a network nor a host name"):
+        Guard(["10.0.0.0/33 "])
+    with pytest.raises(TypeError):
+        Guard("10.0.0.0/8")  # type: ignore[arg-type]
+    assert Guard(["10.0.0.0/8"]).refusal("x", ipaddress.ip_address("10.9.9.9")) is None
+    # A network allows the IPv4-mapped form of its addresses too.
+    assert Guard(["10.0.0.0/8"]).refusal("x", ipaddress.ip_address("::ffff:10.9.9.9")) is None
+
+
+# -- the classification, against ipaddress ----------------------------------------------------
+
+
+def _expected_refused(address: Any) -> bool:
+    """An independent statement of the policy in terms of ``ipaddress`` alone."""
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return _expected_refused(address.ipv4_mapped)
+        if address in ipaddress.ip_network("64:ff9b::/96"):
+            return _expected_refused(ipaddress.IPv4Address(address.packed[-4:]))
+        if address.sixtofour is not None and _expected_refused(address.sixtofour):
+            return True
+        if address in ipaddress.ip_network("::/96") and address > ipaddress.ip_address("::1"):
+            return True
+        if address.is_site_local:
+            return True
+    return not address.is_global or address.is_multicast
+
+
+v4 = st.ip_addresses(v=4)
+v6 = st.ip_addresses(v=6)
+embedded = st.one_of(
+    v4.map(lambda a: ipaddress.IPv6Address(f"::ffff:{a}")),
+    v4.map(lambda a: ipaddress.IPv6Address(f"64:ff9b::{a}")),
+    v4.map(lambda a: ipaddress.IPv6Address((0x2002 << 112) | (int(a) << 80))),
+)
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.one_of(v4, v6, embedded))
+def test_classification_matches_ipaddress(address: Any) -> None:
+    """Refused exactly when ipaddress says not global or multicast (embedded v4 judged)."""
+    assert (address_refusal(address) is not None) == _expected_refused(address)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(v4)
+def test_every_inet_aton_spelling_parses_to_its_address(address: Any) -> None:
+    """Hex, octal and short forms mean what the C resolver says they mean."""
+    n = int(address)
+    spellings = [
+        str(n),
+        hex(n),
+        f"{n >> 24}.{n & 0xFFFFFF}",
+        f"{n >> 24}.{(n >> 16) & 0xFF}.{n & 0xFFFF}",
+        ".".join(f"0{int(p):o}" for p in str(address).split(".")),
+    ]
+    for text in spellings:
+        assert parse_ip_literal(text) == address, text
+        assert socket.inet_aton(text) == address.packed, text
+
+
+# -- one deadline, byte caps -------------------------------------------------------------------
+
+
+def test_dripping_headers_cannot_outlast_the_deadline(serve: Callable[..., RawServer]) -> None:
+    """A server dripping a header byte at a time is cut off at timeout=1, not per read."""
+
+    def drip(conn: socket.socket, server: RawServer) -> None:
+        server.send(conn, b"HTTP/1.1 200 OK\r\n")
+        while not server.stop.wait(0.05):
+            server.send(conn, b"X")
+
+    server = serve(drip)
+    started = time.monotonic()
+    err = refused(server.url + "/", Fetcher(timeout=1, allow=LOOPBACK))
+    took = time.monotonic() - started
+    assert "timed out after 1 s" in err.message
+    assert 0.9 < took < 1.6
+
+
+def test_the_deadline_covers_every_redirect_hop(serve: Callable[..., RawServer]) -> None:
+    """Slow hops add up: five 0.4 s redirects fail a timeout=1 fetch at about 1 s."""
+
+    def slow_hop(conn: socket.socket, server: RawServer) -> None:
+        if server.stop.wait(0.4):
+            return
+        n = int(server.requests[-1].split(b" ")[1].rsplit(b"/", 1)[1])
+        reply(b"", "302 Found", Location=f"/hop/{n + 1}")(conn, server)
+
+    server = serve(slow_hop)
+    started = time.monotonic()
+    err = refused(server.url + "/hop/0", Fetcher(timeout=1, allow=LOOPBACK))
+    assert "timed out" in err.message
+    assert time.monotonic() - started < 1.6
+    assert server.connections <= 3
+
+
+def test_a_stalled_tls_handshake_is_cut_at_the_deadline(serve: Callable[..., RawServer]) -> None:
+    """https goes through the same guarded socket: a silent peer cannot stall the handshake."""
+    # The server waits for an HTTP request head, which a ClientHello never completes: it
+    # accepts and stays silent.
+    server = serve(reply(b"never"))
+    url = f"https://127.0.0.1:{server.port}/"
+    assert isinstance(refused(url), BlockedAddressError)  # guarded like http
+    started = time.monotonic()
+    err = refused(url, Fetcher(timeout=1, allow=LOOPBACK))
+    assert "timed out" in err.message
+    assert time.monotonic() - started < 1.6
+
+
+def _big(status: str, size: int, **headers: str) -> Callable[..., None]:
+    def handler(conn: socket.socket, server: RawServer) -> None:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+        lines = [f"HTTP/1.1 {status}", "Connection: close", "Content-Type: text/plain"]
+        lines += [f"{k.replace('_', '-')}: {v}" for k, v in headers.items()]
+        server.send(conn, ("\r\n".join(lines) + "\r\n\r\n").encode())
+        chunk = b"x" * 65536
+        for _ in range(size // len(chunk)):
+            server.send(conn, chunk)
+
+    return handler
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_a_redirect_body_is_never_read(serve: Callable[..., RawServer], declared: bool) -> None:
+    """A 302 carrying 64 MiB is left unread: the server gets rid of far less than max_bytes."""
+    final = serve(reply(b"landed"))
+    size = 64 * 1024 * 1024
+    headers = {"Location": final.url + "/end"}
+    if declared:
+        headers["Content-Length"] = str(size)
+    bouncer = serve(_big("302 Found", size, **headers))
+    result = get(bouncer.url + "/", Fetcher(max_bytes=1024 * 1024, allow=LOOPBACK, timeout=10))
+    assert result.content == "landed"
+    bouncer.wait_idle()  # its writes fail once our socket is closed
+    assert bouncer.sent < 1024 * 1024, bouncer.sent
+
+
+def test_an_unsized_body_is_read_only_to_the_cap(serve: Callable[..., RawServer]) -> None:
+    """A body without Content-Length is cut at max_bytes, not drained."""
+    server = serve(_big("200 OK", 64 * 1024 * 1024))
+    err = refused(server.url + "/", Fetcher(max_bytes=1024 * 1024, allow=LOOPBACK, timeout=10))
+    assert err.message == f"response is over {1024 * 1024} bytes"
+    server.wait_idle()
+    assert server.sent < 4 * 1024 * 1024, server.sent
+
+
+@pytest.mark.parametrize("charset", ["base64", "rot13", "undefined", "no-such-charset", "zlib"])
+def test_an_unusable_charset_decodes_as_utf8(serve: Callable[..., RawServer], charset: str) -> None:
+    """A charset Python cannot decode text with never crashes the fetch: UTF-8, replaced."""
+    body = "café \xff".encode("latin-1")
+    server = serve(reply(body, Content_Type=f"text/plain; charset={charset}"))
+    result = get(server.url + "/", Fetcher(allow=LOOPBACK))
+    assert result.content == "caf\ufffd \ufffd"
+
+
+# -- file: -------------------------------------------------------------------------------------
+
+
+def test_file_urls_are_refused_by_default(tmp_path: Path) -> None:
+    """file: is off unless named in schemes; the hint says how to turn it on."""
+    page = tmp_path / "p.txt"
+    page.write_text("local")
+    err = refused(page.as_uri())
+    assert err.message == "URL scheme 'file' refused"
+    assert get(page.as_uri(), Fetcher(schemes=("file",))).content == "local"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "socket"])
+def test_only_regular_files_are_read(tmp_path: Path, kind: str) -> None:
+    """A FIFO (no writer), a device or a socket fails at once instead of blocking."""
+    if kind == "fifo":
+        path = tmp_path / "pipe"
+        os.mkfifo(path)
+    elif kind == "device":
+        path = Path("/dev/zero")
+    else:
+        path = tmp_path / "sock"
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(str(path))
+    outcome: list[BaseException | batch.Result] = []
+
+    def attempt() -> None:
+        try:
+            outcome.append(get(path.as_uri(), Fetcher(schemes=("file",))))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=attempt, daemon=True)
+    worker.start()
+    worker.join(5)
+    if kind == "fifo" and worker.is_alive():
+        with open(path, "wb"):  # unblock the stuck open so the thread can end
+            pass
+    assert not worker.is_alive(), "the fetch blocked"
+    assert isinstance(outcome[0], batch.FetchError)
+    if kind != "socket":  # a socket cannot even be opened (ENXIO): failed all the same
+        assert "not a regular file" in str(outcome[0])
+
+
+# -- the jail itself ---------------------------------------------------------------------------
+
+
+def test_the_jail_refuses_and_records_a_connect_beyond_loopback() -> None:
+    """0.0.0.0 is not loopback to the jail (and would only reach this host if it failed)."""
+    with socket.socket() as s, pytest.raises(NetJailError):
+        s.connect(("0.0.0.0", 9))
+    with pytest.raises(NetJailError):
+        socket.create_connection(("0.0.0.0", 9), timeout=1)
+    assert len(violations()) == 2
+    clear()
+
+
+def test_the_jail_covers_child_processes() -> None:
+    """A Python child started with the suite's environment is jailed and reports back."""
+    code = (
+        "import socket\n"
+        "try:\n    socket.create_connection(('0.0.0.0', 9), timeout=1)\n"
+        "except RuntimeError as exc:\n    print(type(exc).__name__)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.stdout.strip() == "NetJailError", done.stderr
+    assert any("0.0.0.0" in v for v in violations())
+    clear()
