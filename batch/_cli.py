@@ -29,6 +29,7 @@ from urllib.parse import unquote
 
 import dcache
 
+from . import _serve
 from ._errors import (
     BusyError,
     CallerBusyError,
@@ -701,6 +702,7 @@ def _parser() -> argparse.ArgumentParser:
     purge = sub.add_parser("purge", parents=[common], help="delete jobs whose lease lapsed")
     purge.add_argument("--json", action="store_true", help='print {"purged": N}')
     purge.set_defaults(func=_cmd_purge)
+    _serve.add_parser(sub)
     return parser
 
 

@@ -128,3 +128,7 @@ class Clock:
 def clock() -> Clock:
     """A clock at a fixed instant that tests move by hand."""
     return Clock()
+
+
+# The network jail: any connect beyond 127.0.0.0/8 and ::1 fails the test (and its children).
+from _netjail import netjail, netjail_check  # noqa: E402, F401

@@ -63,7 +63,9 @@ class ForkServer:
     """The ``_crash_worker.py serve`` process: it forks one worker per trial on request."""
 
     def __init__(self, url: str) -> None:
-        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+        # Keep what PYTHONPATH held (the network jail's sitecustomize, see _netjail).
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             [sys.executable, str(WORKER), "serve", url],
             stdin=subprocess.PIPE,
