@@ -28,7 +28,8 @@ __all__ = ["add_parser", "build_app", "main"]
 HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_DB = "sqlite:///batch.sqlite3"
-DEFAULT_FETCH = "batch.fetchers:fetch"
+# Like the CLI's: the machine's own user may fetch local files and private addresses.
+DEFAULT_FETCH = "batch._cli:local_fetch"
 LOCAL_CALLER = ("local", "local")
 """The caller and caller class of every JSON API request to the local server."""
 
@@ -59,7 +60,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--fetch",
         metavar="MODULE:CALLABLE",
         default=DEFAULT_FETCH,
-        help=f"the fetch function for jobs submitted here (default: {DEFAULT_FETCH})",
+        help="the fetch function for jobs submitted here (default: the CLI's fetcher, "
+        "which reads http, https and file URLs and reaches private and loopback "
+        f"addresses: {DEFAULT_FETCH})",
     )
     serve.set_defaults(func=main)
     return serve

@@ -413,9 +413,7 @@ def test_serve_answers_on_loopback_and_refuses_other_hosts(tmp_path: Path) -> No
             url,
             "--port",
             "0",
-            "--fetch",
-            "batch.fetchers:fetch",
-        ],
+        ],  # the default fetch: the CLI's, which reads file: URLs
         stderr=subprocess.PIPE,
         text=True,
         cwd=tmp_path,
