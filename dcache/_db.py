@@ -1112,6 +1112,11 @@ def _reraise_dbapi(conn: Connection, exc: BaseException, sql: str, cursor: Any) 
     disconnect = bool(dialect.is_disconnect(exc, dbapi, cursor))
     if disconnect:
         with contextlib.suppress(Exception):
+            # As SQLAlchemy does for a disconnect under Connection.execute: every pooled
+            # connection opened before now is suspect too (a server restart killed them
+            # all) and is replaced at its next checkout, not handed out to fail again.
+            conn.engine.pool._invalidate(conn.connection, exc)
+        with contextlib.suppress(Exception):
             conn.invalidate(exc)
     raise sa_exc.DBAPIError.instance(
         sql, None, exc, base, connection_invalidated=disconnect
