@@ -110,7 +110,7 @@ def target_statuses(db: dcache.DB, job_id: str) -> list[str]:
 def test_a_held_writer_statement_with_no_answer_fails_in_time_and_the_next_write_stores(
     silent: Silent,
 ) -> None:
-    """The per-target write runs on a held DBAPI cursor, outside SQLAlchemy: it needs the deadline too."""
+    """The per-target write runs on a held DBAPI cursor, outside SQLAlchemy: it needs a deadline."""
     job = submit(silent.db)
     with silent.db.writer() as writer:
         assert writer.write_target(job.id, 0, status="done", result="r0", ttl=TTL).stored
