@@ -495,7 +495,13 @@ class Runner:
     def jobs(
         self, *, caller: str | None = None, live_only: bool = False, limit: int = 100
     ) -> list[Job]:
-        """Visible jobs, newest first; optionally one caller's, optionally only live ones."""
+        """Visible jobs, newest first; optionally one caller's, optionally only live ones.
+
+        Raises:
+            ValueError: ``limit`` is not an ``int`` of 0 or more.
+        """
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"limit must be an int of 0 or more, not {limit!r}")
         if caller is not None:
             try:
                 check_text(caller, "caller", limit=MAX_CALLER_LENGTH)

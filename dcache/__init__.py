@@ -9,6 +9,7 @@ from __future__ import annotations
 from ._db import DB, Writer, utcnow
 from ._errors import (
     PoolExhaustedError,
+    ResultTooLargeError,
     SchemaVersionError,
     StoreError,
     StoreUnavailableError,
@@ -25,6 +26,7 @@ __all__ = [
     "JobRow",
     "NewTarget",
     "PoolExhaustedError",
+    "ResultTooLargeError",
     "SchemaVersionError",
     "StoreError",
     "StoreUnavailableError",

@@ -99,16 +99,18 @@ def _check_io_timeout(io_timeout: float | None) -> float | None:
     return float(io_timeout)
 
 
-# The largest result each backend can hold, in UTF-8 bytes (see DB.max_result_bytes).
-# PostgreSQL: a text value and a protocol message are each capped at 1 GiB; 1 MiB is left
-# for the rest of the row. SQLite: SQLITE_LIMIT_LENGTH caps a value and a row (1e9 bytes
-# by default); 1 MiB again for the rest of the row. MySQL: the whole statement must fit
-# in the server's max_allowed_packet after PyMySQL escaped it client-side, which at worst
-# doubles every byte (\\, \", \', \n, \r, \0, \Z); _STATEMENT_ROOM bytes are
-# kept for the SQL text, the ids and the time.
-_PG_RESULT_ROOM = (1 << 30) - (1 << 20)
-_SQLITE_ROW_ROOM = 1 << 20
-_STATEMENT_ROOM = 4096
+# What one target row may hold, in bytes, for all its text values together (the room);
+# DB.max_result_bytes is what is left of it for a result once _VALUES_ROOM is kept for the
+# job id, error and hint of a done target. PostgreSQL: a text value and a protocol
+# message are each capped at 1 GiB; 1 MiB is kept for the rest. SQLite: SQLITE_LIMIT_LENGTH
+# caps a value and a row (1e9 bytes by default); 1 MiB kept again. MySQL: the statement
+# must fit in the server's max_allowed_packet after PyMySQL escaped the values into it
+# client-side, which at worst doubles each byte (\\ \" \' \n \r \0 \Z);
+# _SQL_ROOM bytes are kept for the SQL text, the time and the packet header.
+_PG_ROW_ROOM = (1 << 30) - (1 << 20)
+_SQLITE_ROW_SLACK = 1 << 20
+_SQL_ROOM = 2048
+_VALUES_ROOM = 2048
 _MYSQL_ESCAPED = "\\\x00\n\r\x1a\"'"
 
 
@@ -327,22 +329,26 @@ class DB:
     def max_result_bytes(self) -> int:
         """The largest result (UTF-8 bytes) this store holds whatever its content.
 
-        PostgreSQL: 1 GiB - 1 MiB. SQLite: the library's ``SQLITE_LIMIT_LENGTH`` - 1 MiB
-        (999 MiB by default). MySQL/MariaDB: half the server's ``max_allowed_packet`` (read
-        when the store was built) less 2 KiB, because PyMySQL escapes values into the
-        statement, doubling ``\\ " ' \\n \\r`` and NUL at worst: 8 386 560 bytes with
-        MariaDB's default 16 MiB. A larger result may still fit when it escapes less;
-        :meth:`Writer.write_target` refuses one that does not with
-        :class:`ResultTooLargeError` before sending anything.
+        - PostgreSQL: 1 GiB - 1 MiB - 2 KiB = 1 072 691 200 (a text value's 1 GiB cap).
+        - SQLite: ``SQLITE_LIMIT_LENGTH`` - 1 MiB - 2 KiB = 998 949 376 by default.
+        - MySQL/MariaDB: (``max_allowed_packet`` - 4 KiB) / 2, read from the server when
+          the store was built: 8 386 560 with MariaDB's default 16 MiB (MySQL 8: 64 MiB).
+          PyMySQL escapes values into the statement client-side, which doubles
+          ``\\ " ' \\n \\r``, NUL and ``\\x1a`` at worst, and the whole statement must fit
+          in the server's packet.
+
+        A larger result may still fit when it escapes less; :meth:`Writer.write_target`
+        refuses one that does not fit with :class:`ResultTooLargeError` before sending it.
         """
-        return self._result_room // 2 if self._escapes else self._result_room
+        left = max(0, self._result_room - _VALUES_ROOM)
+        return left // 2 if self._escapes else left
 
     @wrap_errors
     def _read_limits(self) -> None:
         if self.dialect in ("mysql", "mariadb"):
             with self._engine.connect() as conn:
                 packet = int(conn.execute(text("SELECT @@max_allowed_packet")).scalar_one())
-            self._result_room = max(0, packet - _STATEMENT_ROOM)
+            self._result_room = max(0, packet - _SQL_ROOM)
             self._escapes = True
         elif self.dialect == "sqlite":
             with self._engine.connect() as conn:
@@ -350,32 +356,37 @@ class DB:
                 # Connection.getlimit is Python 3.11+; SQLITE_LIMIT_LENGTH is limit id 0.
                 getlimit = getattr(dbapi, "getlimit", None)
                 length = getlimit(0) if getlimit else 1_000_000_000
-            self._result_room = max(0, int(length) - _SQLITE_ROW_ROOM)
+            self._result_room = max(0, int(length) - _SQLITE_ROW_SLACK)
         else:
-            self._result_room = _PG_RESULT_ROOM
+            self._result_room = _PG_ROW_ROOM
 
     def _check_size(self, result: str | None, *others: str) -> None:
-        """Refuse a result that, stored with ``others`` in one row, would not fit."""
+        """Refuse a result that, stored with ``others`` in one row, would not fit.
+
+        The other values (job id, error, hint) are counted as at least _VALUES_ROOM, so
+        for the worst content the edge is exactly :attr:`max_result_bytes`.
+        """
         chars = len(others[0]) + len(others[1]) + len(others[2])
         if result is not None:
             chars += len(result)
-        if 4 * chars <= self._result_room:
+        if 4 * chars + _VALUES_ROOM <= self._result_room:
             return  # a UTF-8 character is at most 4 bytes, escaped or not
-        values = [v for v in (result, *others) if v is not None]
-        if self._escapes:
-            size = sum(_escaped_size(v) for v in values)
-        else:
-            size = sum(len(v.encode("utf-8")) for v in values)
-        if size > self._result_room:
+        size = self._size(result) if result is not None else 0
+        rest = sum(self._size(v) for v in others)
+        if size + max(rest, _VALUES_ROOM) > self._result_room:
             detail = (
-                f"; escaped into the statement it needs {size} of the {self._result_room} "
-                "bytes the server's max_allowed_packet leaves"
+                f"; escaped into the statement it takes {size} bytes of the "
+                f"{self._result_room - max(rest, _VALUES_ROOM)} the server's "
+                "max_allowed_packet leaves it"
                 if self._escapes
                 else ""
             )
             raise ResultTooLargeError(
                 len((result or "").encode("utf-8")), self.max_result_bytes, detail
             )
+
+    def _size(self, value: str) -> int:
+        return _escaped_size(value) if self._escapes else len(value.encode("utf-8"))
 
     def close(self) -> None:
         """Dispose of the engine if this store owns it. Idempotent."""
