@@ -171,7 +171,9 @@ def _psycopg_wait_timeout() -> type[BaseException] | None:
 
         found: type[BaseException] | None = getattr(psycopg.errors, "_WaitTimeout", None)
         try:
-            takes = "timeout" in inspect.signature(psycopg.Connection.wait).parameters
+            # psycopg 3.1's wait(gen, timeout) took a poll interval there: ask for both.
+            params = inspect.signature(psycopg.Connection.wait).parameters
+            takes = "interval" in params and "timeout" in params
         except (TypeError, ValueError):
             takes = False
         if found is None or not takes:
