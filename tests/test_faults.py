@@ -6,6 +6,11 @@ few seconds, the way Toxiproxy does; the servers keep running for everyone else.
 marked ``slow``. One test really restarts PostgreSQL; it only runs when ``CI`` or
 ``DCACHE_ALLOW_PG_RESTART`` is set, since it cuts every other user of that server too.
 
+The checkout tests kill the server sessions of a caller's engine between checkouts (a
+restart, ``KILL`` or failover as the pool meets it) and check that every store call, and
+a drain's write, sees ``StoreUnavailableError`` and recovers. The silent-server test runs
+the store with ``io_timeout`` behind a stalled proxy.
+
 The classification tests produce real driver errors cheaply (a held SQLite write lock, a
 MariaDB lock wait of one second, a PostgreSQL deadlock) and check that
 ``dcache.is_transient`` and the store's translation put each on the side ``_errors.py``
@@ -132,6 +137,13 @@ def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def fill_pool(db: dcache.DB, n: int = 3) -> None:
+    """Open ``n`` pooled connections (all idle afterwards)."""
+    with contextlib.ExitStack() as stack:
+        for _ in range(n):
+            stack.enter_context(db.engine.connect())
 
 
 @attrs.define
@@ -465,13 +477,6 @@ def caller_store(backend: str, tmp_path: Path) -> Iterator[tuple[dcache.DB, Sess
         db.close()
         engine.dispose()
         sessions.close()
-
-
-def fill_pool(db: dcache.DB, n: int = 3) -> None:
-    """Open ``n`` pooled connections (all idle afterwards)."""
-    with contextlib.ExitStack() as stack:
-        for _ in range(n):
-            stack.enter_context(db.engine.connect())
 
 
 @pytest.mark.parametrize("backend", ["postgresql", "mariadb"])
