@@ -719,11 +719,13 @@ class Runner:
                 "status": "failed",
                 "error": f"ResultTooDeep: meta nests more than {MAX_META_DEPTH} levels",
             }
-        if size > self._config.max_result_bytes:
+        # The smaller of the configured limit and what this backend holds with any content
+        # (MariaDB's default max_allowed_packet holds less than the 8 MiB default).
+        limit = min(self._config.max_result_bytes, self._db.max_result_bytes)
+        if size > limit:
             return {
                 "status": "failed",
-                "error": f"ResultTooLarge: result is {size} bytes, at most "
-                f"{self._config.max_result_bytes} allowed",
+                "error": f"ResultTooLarge: result is {size} bytes, at most {limit} allowed",
             }
         return {"status": "done", "result": payload}
 
@@ -879,7 +881,13 @@ class Runner:
     def jobs(
         self, *, caller: str | None = None, live_only: bool = False, limit: int = 100
     ) -> list[Job]:
-        """Visible jobs, newest first; optionally one caller's, optionally only live ones."""
+        """Visible jobs, newest first; optionally one caller's, optionally only live ones.
+
+        Raises:
+            ValueError: ``limit`` is not an ``int`` of 0 or more.
+        """
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"limit must be an int of 0 or more, not {limit!r}")
         if caller is not None:
             try:
                 check_text(caller, "caller", limit=MAX_CALLER_LENGTH)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from ._db import DB, Writer, utcnow
 from ._errors import (
     PoolExhaustedError,
+    ResultTooLargeError,
     SchemaVersionError,
     StoreError,
     StoreUnavailableError,
@@ -35,6 +36,7 @@ __all__ = [
     "NewTarget",
     "OwnerRow",
     "PoolExhaustedError",
+    "ResultTooLargeError",
     "SchemaVersionError",
     "StoreError",
     "StoreUnavailableError",

@@ -7,10 +7,11 @@ import datetime as dt
 import logging
 import secrets
 import sqlite3
+import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import stamina
 from sqlalchemy import (
     Connection,
     Engine,
@@ -20,7 +21,6 @@ from sqlalchemy import (
     bindparam,
     create_engine,
     delete,
-    event,
     func,
     insert,
     literal_column,
@@ -38,7 +38,8 @@ from sqlalchemy.pool import NullPool, Pool, QueuePool
 from sqlalchemy.schema import CreateColumn
 
 from ._admin import AdminQueries
-from ._errors import SchemaVersionError, StoreError, is_sqlite_busy, wrap_errors
+from ._engine import WRITE_OPTION, prepare_engine
+from ._errors import ResultTooLargeError, SchemaVersionError, StoreError, wrap_errors
 from ._prepared import Prepared
 from ._rows import (
     JobRow,
@@ -72,7 +73,7 @@ log = logging.getLogger("dcache")
 
 DEFAULT_URL = "sqlite:///dcache.sqlite3"
 TOMBSTONE_TTL = dt.timedelta(days=7)  # how long a purged job's id still answers "expired"
-_WRITE = "dcache_write"  # execution option read by the SQLite "begin" hook
+_WRITE = WRITE_OPTION
 _SYNCHRONOUS = ("OFF", "NORMAL", "FULL", "EXTRA")
 _US = dt.timedelta(microseconds=1)
 
@@ -106,58 +107,38 @@ def _now(now: dt.datetime | None) -> dt.datetime:
     return now.astimezone(dt.timezone.utc)
 
 
+def _check_io_timeout(io_timeout: float | None) -> float | None:
+    if io_timeout is None:
+        return None
+    if isinstance(io_timeout, bool) or not isinstance(io_timeout, (int, float)):
+        raise ValueError(f"io_timeout must be a number of seconds or None, not {io_timeout!r}")
+    if not 0 < io_timeout < 86400:
+        raise ValueError(f"io_timeout must be more than 0 and less than a day, not {io_timeout!r}")
+    return float(io_timeout)
+
+
+# What one target row may hold, in bytes, for all its text values together (the room);
+# DB.max_result_bytes is what is left of it for a result once _VALUES_ROOM is kept for the
+# job id, error and hint of a done target. PostgreSQL: a text value and a protocol
+# message are each capped at 1 GiB; 1 MiB is kept for the rest. SQLite: SQLITE_LIMIT_LENGTH
+# caps a value and a row (1e9 bytes by default); 1 MiB kept again. MySQL: the statement
+# must fit in the server's max_allowed_packet after PyMySQL escaped the values into it
+# client-side, which at worst doubles each byte (\\ \" \' \n \r \0 \Z);
+# _SQL_ROOM bytes are kept for the SQL text, the time and the packet header.
+_PG_ROW_ROOM = (1 << 30) - (1 << 20)
+_SQLITE_ROW_SLACK = 1 << 20
+_SQL_ROOM = 2048
+_VALUES_ROOM = 2048
+_MYSQL_ESCAPED = "\\\x00\n\r\x1a\"'"
+
+
+def _escaped_size(text: str) -> int:
+    """Bytes of ``text`` once PyMySQL has escaped it into a statement."""
+    return len(text.encode("utf-8")) + sum(text.count(c) for c in _MYSQL_ESCAPED)
+
+
 class _LockRowRace(Exception):
     """Another transaction created the same caller lock row first; retry the submit."""
-
-
-def _install_sqlite_hooks(engine: Engine, *, synchronous: str, busy_timeout: float) -> None:
-    """Make pysqlite transactional the way SQLAlchemy's SQLite docs recommend.
-
-    pysqlite's own BEGIN handling is off (``isolation_level = None``); SQLAlchemy's
-    "begin" event emits ``BEGIN IMMEDIATE`` for write transactions (so a write lock is
-    taken up front: ``FOR UPDATE`` renders nothing on SQLite) and a plain ``BEGIN``
-    for reads, which under WAL never block writers.
-    """
-
-    @event.listens_for(engine, "connect")
-    def _connect(dbapi_conn: Any, _record: Any) -> None:
-        dbapi_conn.isolation_level = None
-        cur = dbapi_conn.cursor()
-        try:
-            cur.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
-            mode = cur.execute("PRAGMA journal_mode").fetchone()[0]
-            if str(mode).lower() not in ("memory", "wal"):
-                # Switching a new file to WAL needs an exclusive lock and can report
-                # "database is locked" at once, without the busy handler, while another
-                # process opens the same new file: retry it like any lock wait.
-                for attempt in stamina.retry_context(
-                    on=is_sqlite_busy,
-                    attempts=None,
-                    timeout=busy_timeout,
-                    wait_initial=0.01,
-                    wait_max=0.25,
-                ):
-                    with attempt:
-                        cur.execute("PRAGMA journal_mode = WAL")
-            cur.execute(f"PRAGMA synchronous = {synchronous}")
-            cur.execute("PRAGMA foreign_keys = ON")
-        finally:
-            cur.close()
-
-    _install_sqlite_begin(engine)
-
-
-def _install_sqlite_begin(engine: Engine) -> None:
-    """Emit SQLite's BEGIN ourselves: ``BEGIN IMMEDIATE`` for writes (see above)."""
-
-    @event.listens_for(engine, "begin")
-    def _begin(conn: Connection) -> None:
-        dbapi_conn = conn.connection.driver_connection
-        if dbapi_conn is not None and dbapi_conn.isolation_level is not None:
-            # A caller-made engine whose connections predate our "connect" hook.
-            dbapi_conn.isolation_level = None
-        write = conn.get_execution_options().get(_WRITE, False)
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
 
 
 def _aux_engine(engine: Engine) -> Engine | None:
@@ -280,19 +261,37 @@ class DB(AdminQueries):
     :class:`dcache.StoreError` (``StoreUnavailableError`` for transient ones).
     """
 
-    def __init__(self, engine: Engine, *, _owns_engine: bool = False) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        io_timeout: float | None = None,
+        _owns_engine: bool = False,
+        _keeper: sqlite3.Connection | None = None,
+    ) -> None:
+        """Run the store on an engine the caller made (and keeps owning).
+
+        The store prepares the engine's connections for its own use (see
+        :func:`dcache._engine.prepare_engine`): on PostgreSQL and MySQL each connection is
+        set to READ COMMITTED once, when the pool opens it or first hands it out, and
+        keeps that level for whoever else uses the engine.
+
+        Args:
+            engine: a SQLAlchemy engine on SQLite, PostgreSQL (psycopg) or MySQL/MariaDB
+                (PyMySQL).
+            io_timeout: PostgreSQL and MySQL: seconds a statement may wait for the server
+                before it fails with :class:`StoreUnavailableError`; ``None`` (the default
+                here, as the engine is the caller's) leaves the driver's waits unbounded.
+        """
         self._owns_engine = _owns_engine
-        self._keeper: sqlite3.Connection | None = None
+        self._keeper = _keeper
+        self.io_timeout = _check_io_timeout(io_timeout)
         self.dialect: str = engine.dialect.name
-        if self.dialect == "sqlite":
-            if not event.contains(engine, "begin", _sqlite_begin_marker):
-                _install_sqlite_hooks(engine, synchronous="NORMAL", busy_timeout=30.0)
-                event.listen(engine, "begin", _sqlite_begin_marker)
-            self._engine = engine
-        else:
-            # At REPEATABLE READ (MySQL's default) a count taken after the lock wait would
-            # still see the snapshot from before it, and the caps would overshoot.
-            self._engine = engine.execution_options(isolation_level="READ COMMITTED")
+        # At REPEATABLE READ (MySQL's default) a count taken after the lock wait would
+        # still see the snapshot from before it, and the caps would overshoot: every
+        # server connection is READ COMMITTED (set once per connection, see _engine).
+        prepare_engine(engine, io_timeout=self.io_timeout)
+        self._engine = engine
         self._wengine = self._engine.execution_options(**{_WRITE: True})
         # Two more pools of the same connections, each opening one when first used: the
         # heartbeat's (never starved by anything else) and the group writer's (held
@@ -308,8 +307,11 @@ class DB(AdminQueries):
         self._status_read = Prepared(_Q_STATUS, engine.dialect, types)
         self._status_brief = Prepared(_Q_STATUS_BRIEF, engine.dialect, [*types, Integer()])
         self._closed = False
+        self._result_room = 0
+        self._escapes = False
         try:
             self._create_schema()
+            self._read_limits()
         except BaseException:
             self._dispose()
             raise
@@ -324,52 +326,60 @@ class DB(AdminQueries):
         synchronous: str = "NORMAL",
         busy_timeout: float = 30.0,
         connect_timeout: float = 5.0,
+        io_timeout: float | None = 10.0,
         **engine_options: Any,
     ) -> DB:
         """Open (and create if needed) the store at a SQLAlchemy URL.
 
         Args:
             url: e.g. ``sqlite:///batch.sqlite3``, ``postgresql+psycopg://host/db``,
-                ``mysql+pymysql://user@host/db``.
+                ``mysql+pymysql://user@host/db``. ``sqlite://`` and ``sqlite:///:memory:``
+                open one in-memory database shared by every connection, as :meth:`memory`.
             synchronous: SQLite only: ``NORMAL`` (the default; durable across process
                 crashes, WAL) or ``FULL`` (also durable across power loss).
             busy_timeout: SQLite only: seconds to wait for a write lock.
             connect_timeout: PostgreSQL and MySQL: seconds to wait for a connection.
-            **engine_options: passed to :func:`sqlalchemy.create_engine`.
+            io_timeout: PostgreSQL and MySQL: seconds a statement (or its COMMIT) may wait
+                for an answer before it fails with :class:`StoreUnavailableError` and its
+                connection is dropped, so a silent server or a network partition costs a
+                request seconds, not a hung thread; ``None``: no limit. A lock wait counts
+                too: keep it above the longest lock a store call may wait for.
+            **engine_options: passed to :func:`sqlalchemy.create_engine`
+                (``connect_args`` are merged with the store's).
         """
         sync = synchronous.upper()
         if sync not in _SYNCHRONOUS:
             raise ValueError(f"synchronous must be one of {_SYNCHRONOUS}, not {synchronous!r}")
+        io_timeout = _check_io_timeout(io_timeout)
         u = make_url(url)
         try:
             if u.get_backend_name() == "sqlite":
+                if u.database in (None, "", ":memory:"):
+                    return cls._memory(busy_timeout, engine_options)
                 opts: dict[str, Any] = {
                     "poolclass": QueuePool,
                     "pool_size": 8,
                     "max_overflow": 56,
-                    "connect_args": {"check_same_thread": False, "timeout": busy_timeout},
                 }
-                opts.update(engine_options)
-                engine = create_engine(u, **opts)
-                _install_sqlite_hooks(engine, synchronous=sync, busy_timeout=busy_timeout)
-                event.listen(engine, "begin", _sqlite_begin_marker)
+                connect_args = {"check_same_thread": False, "timeout": busy_timeout}
             else:
                 backend = u.get_backend_name()
                 if backend in ("mysql", "mariadb") and "charset" not in u.query:
                     u = u.update_query_dict({"charset": "utf8mb4"})
                 # Fail fast when the server is unreachable, and test pooled connections
                 # before use so a server restart costs no request an error.
-                opts = {
-                    "pool_size": 8,
-                    "max_overflow": 24,
-                    "pool_pre_ping": True,
-                    "connect_args": {"connect_timeout": int(connect_timeout)},
-                }
-                opts.update(engine_options)
-                engine = create_engine(u, **opts)
+                opts = {"pool_size": 8, "max_overflow": 24, "pool_pre_ping": True}
+                connect_args = {"connect_timeout": int(connect_timeout)}
+            opts.update(engine_options)
+            opts["connect_args"] = {**connect_args, **engine_options.get("connect_args", {})}
+            engine = create_engine(u, **opts)
+            # Before DB() runs: a new SQLite connection reads these at connect time.
+            prepare_engine(
+                engine, io_timeout=io_timeout, synchronous=sync, busy_timeout=busy_timeout
+            )
         except sa_exc.SQLAlchemyError as exc:
             raise StoreError(f"cannot open {u!r}: {exc}") from exc
-        return cls(engine, _owns_engine=True)
+        return cls(engine, io_timeout=io_timeout, _owns_engine=True)
 
     @classmethod
     def memory(cls) -> DB:
@@ -379,26 +389,93 @@ class DB(AdminQueries):
         this store sees the same data, and concurrent transactions lock properly (a
         ``StaticPool`` or shared cache would not). It lives until :meth:`close`.
         """
+        return cls._memory(30.0, {})
+
+    @classmethod
+    def _memory(cls, busy_timeout: float, engine_options: dict[str, Any]) -> DB:
         name = f"/dcache-{secrets.token_hex(8)}"
         uri = f"file:{name}?vfs=memdb"
         keeper = sqlite3.connect(uri, uri=True, check_same_thread=False)
-        engine = create_engine(
-            "sqlite://",
-            creator=lambda: sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=30),
-            poolclass=QueuePool,
-            pool_size=8,
-            max_overflow=56,
+        opts: dict[str, Any] = {"poolclass": QueuePool, "pool_size": 8, "max_overflow": 56}
+        opts.update({k: v for k, v in engine_options.items() if k != "connect_args"})
+        opts["creator"] = lambda: sqlite3.connect(
+            uri, uri=True, check_same_thread=False, timeout=busy_timeout
         )
-        _install_sqlite_hooks(engine, synchronous="NORMAL", busy_timeout=30.0)
-        event.listen(engine, "begin", _sqlite_begin_marker)
-        db = cls(engine, _owns_engine=True)
-        db._keeper = keeper
-        return db
+        try:
+            engine = create_engine("sqlite://", **opts)
+        except BaseException:
+            keeper.close()
+            raise
+        prepare_engine(engine, io_timeout=None, busy_timeout=busy_timeout)
+        return cls(engine, _owns_engine=True, _keeper=keeper)
 
     @property
     def engine(self) -> Engine:
         """The SQLAlchemy engine this store runs on."""
         return self._engine
+
+    @property
+    def max_result_bytes(self) -> int:
+        """The largest result (UTF-8 bytes) this store holds whatever its content.
+
+        - PostgreSQL: 1 GiB - 1 MiB - 2 KiB = 1 072 691 200 (a text value's 1 GiB cap).
+        - SQLite: ``SQLITE_LIMIT_LENGTH`` - 1 MiB - 2 KiB = 998 949 376 by default.
+        - MySQL/MariaDB: (``max_allowed_packet`` - 4 KiB) / 2, read from the server when
+          the store was built: 8 386 560 with MariaDB's default 16 MiB (MySQL 8: 64 MiB).
+          PyMySQL escapes values into the statement client-side, which doubles
+          ``\\ " ' \\n \\r``, NUL and ``\\x1a`` at worst, and the whole statement must fit
+          in the server's packet.
+
+        A larger result may still fit when it escapes less; :meth:`Writer.write_target`
+        refuses one that does not fit with :class:`ResultTooLargeError` before sending it.
+        """
+        left = max(0, self._result_room - _VALUES_ROOM)
+        return left // 2 if self._escapes else left
+
+    @wrap_errors
+    def _read_limits(self) -> None:
+        if self.dialect in ("mysql", "mariadb"):
+            with self._engine.connect() as conn:
+                packet = int(conn.execute(text("SELECT @@max_allowed_packet")).scalar_one())
+            self._result_room = max(0, packet - _SQL_ROOM)
+            self._escapes = True
+        elif self.dialect == "sqlite":
+            with self._engine.connect() as conn:
+                dbapi: Any = conn.connection.driver_connection
+                # Connection.getlimit is Python 3.11+; SQLITE_LIMIT_LENGTH is limit id 0.
+                getlimit = getattr(dbapi, "getlimit", None)
+                length = getlimit(0) if getlimit else 1_000_000_000
+            self._result_room = max(0, int(length) - _SQLITE_ROW_SLACK)
+        else:
+            self._result_room = _PG_ROW_ROOM
+
+    def _check_size(self, result: str | None, *others: str) -> None:
+        """Refuse a result that, stored with ``others`` in one row, would not fit.
+
+        The other values (job id, error, hint) are counted as at least _VALUES_ROOM, so
+        for the worst content the edge is exactly :attr:`max_result_bytes`.
+        """
+        chars = len(others[0]) + len(others[1]) + len(others[2])
+        if result is not None:
+            chars += len(result)
+        if 4 * chars + _VALUES_ROOM <= self._result_room:
+            return  # a UTF-8 character is at most 4 bytes, escaped or not
+        size = self._size(result) if result is not None else 0
+        rest = sum(self._size(v) for v in others)
+        if size + max(rest, _VALUES_ROOM) > self._result_room:
+            detail = (
+                f"; escaped into the statement it takes {size} bytes of the "
+                f"{self._result_room - max(rest, _VALUES_ROOM)} the server's "
+                "max_allowed_packet leaves it"
+                if self._escapes
+                else ""
+            )
+            raise ResultTooLargeError(
+                len((result or "").encode("utf-8")), self.max_result_bytes, detail
+            )
+
+    def _size(self, value: str) -> int:
+        return _escaped_size(value) if self._escapes else len(value.encode("utf-8"))
 
     def close(self) -> None:
         """Dispose of the engine if this store owns it. Idempotent."""
@@ -449,9 +526,7 @@ class DB(AdminQueries):
         if self.dialect in ("mysql", "mariadb"):
             # MySQL commits DDL implicitly, so serialise creators with a named lock.
             with self._engine.connect() as conn:
-                got = conn.execute(select(func.get_lock("dcache_schema", 60))).scalar()
-                if got != 1:
-                    raise StoreError("timed out waiting for another process creating the schema")
+                self._get_schema_lock(conn)
                 try:
                     self._choose_nopad_collation(conn)
                     metadata.create_all(conn)
@@ -470,6 +545,19 @@ class DB(AdminQueries):
             self._migrate(conn)
             self._check_columns(conn)
             self._init_meta(conn)
+
+    def _get_schema_lock(self, conn: Connection) -> None:
+        # Wait up to a minute, in steps that each answer within io_timeout (a longer
+        # GET_LOCK would be cut as a silent server).
+        step = 60 if self.io_timeout is None else max(0, min(60, int(self.io_timeout) - 1))
+        deadline = time.monotonic() + 60
+        while True:
+            if conn.execute(select(func.get_lock("dcache_schema", step))).scalar() == 1:
+                return
+            if time.monotonic() >= deadline:
+                raise StoreError("timed out waiting for another process creating the schema")
+            if step == 0:
+                threading.Event().wait(0.05)
 
     @staticmethod
     def _choose_nopad_collation(conn: Connection) -> None:
@@ -816,7 +904,13 @@ class DB(AdminQueries):
         limit: int = 100,
         now: dt.datetime | None = None,
     ) -> list[JobRow]:
-        """Visible jobs, newest first, optionally one caller's and/or only live ones."""
+        """Visible jobs, newest first, optionally one caller's and/or only live ones.
+
+        Raises:
+            ValueError: ``limit`` is not a non-negative ``int``.
+        """
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"limit must be an int of 0 or more, not {limit!r}")
         if caller is not None and not _findable(caller):
             return []
         now = _now(now)
@@ -839,10 +933,13 @@ class DB(AdminQueries):
         """A connection for the group-commit writer, which keeps it across batches."""
         return self._wwriter.connect()
 
-    def _writing(self, engine: Engine) -> Engine:
-        """``engine`` set up for write transactions as the store makes them."""
-        if self.dialect != "sqlite":
-            engine = engine.execution_options(isolation_level="READ COMMITTED")
+    @staticmethod
+    def _writing(engine: Engine) -> Engine:
+        """``engine`` for write transactions (``BEGIN IMMEDIATE`` on SQLite).
+
+        The isolation level needs nothing here: every connection of every pool is READ
+        COMMITTED from its first use (pool listeners, copied by ``Pool.recreate``).
+        """
         return engine.execution_options(**{_WRITE: True})
 
     @wrap_errors
@@ -871,6 +968,7 @@ class DB(AdminQueries):
         """
         if status not in ("done", "failed"):
             raise ValueError(f"a target is written done or failed, not {status!r}")
+        self._check_size(result, error, hint, job_id)
         return self._group.write(
             job_id,
             idx,
@@ -1261,6 +1359,3 @@ class Writer:
             job_id, idx, status=status, result=result, error=error, hint=hint, ttl=ttl, now=now
         )
 
-
-def _sqlite_begin_marker(conn: Connection) -> None:
-    """Marks an engine whose SQLite hooks are installed (does nothing itself)."""

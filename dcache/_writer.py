@@ -332,6 +332,11 @@ def _as_sqlalchemy(conn: Connection, exc: Exception, sql: str, cursor: Any) -> E
     disconnect = bool(dialect.is_disconnect(exc, dbapi, cursor))
     if disconnect:
         with contextlib.suppress(Exception):
+            # As SQLAlchemy does for a disconnect under Connection.execute: every pooled
+            # connection opened before now is suspect too (a server restart killed them
+            # all) and is replaced at its next checkout, not handed out to fail again.
+            conn.engine.pool._invalidate(conn.connection, exc)
+        with contextlib.suppress(Exception):
             conn.invalidate(exc)
     err: Exception = sa_exc.DBAPIError.instance(
         sql, None, exc, base, connection_invalidated=disconnect

@@ -9,7 +9,11 @@ running, so other tests that use them are not disturbed.
 
 :meth:`Proxy.stall` is the silent kind of outage (a network partition): every connection
 stays open but no byte moves in either direction, and new connections are accepted and
-then never answered.
+then never answered. :meth:`Proxy.stall_on` stalls at a chosen point of the client's
+stream (say the chunk that carries ``COMMIT``), holding that chunk back.
+
+The proxy can also listen on another local address than loopback (the host end of a veth
+pair into a test's network namespace), still forwarding only to loopback.
 
 The listening socket stays bound for the proxy's whole life (a severed proxy accepts and
 resets), so its port never changes and no other process can take it meanwhile. Only
@@ -69,7 +73,9 @@ class Proxy:
     :meth:`start` and :meth:`close`.
     """
 
-    def __init__(self, upstream_host: str, upstream_port: int) -> None:
+    def __init__(
+        self, upstream_host: str, upstream_port: int, *, listen_host: str = "127.0.0.1"
+    ) -> None:
         if upstream_host not in _LOOPBACK:
             raise ValueError(f"the proxy only forwards to loopback, not {upstream_host!r}")
         self.upstream = (
@@ -80,8 +86,11 @@ class Proxy:
         self._links: set[_Link] = set()
         self._severed = False
         self._stalled = False
+        self._trigger: bytes | None = None
+        self.triggered = threading.Event()  # set when stall_on's pattern went by
         self._stopping = threading.Event()
-        self._listener = socket.create_server(("127.0.0.1", 0), backlog=128)
+        self.listen_host = listen_host
+        self._listener = socket.create_server((listen_host, 0), backlog=128)
         self._listener.settimeout(0.1)
         self.port: int = self._listener.getsockname()[1]
         self._accepter = threading.Thread(
@@ -112,11 +121,34 @@ class Proxy:
             for link in self._links:
                 link.flowing.clear()
 
+    def stall_on(self, pattern: bytes) -> threading.Event:
+        """Stall every connection (as :meth:`stall`) when a client sends ``pattern``.
+
+        The chunk that carries it is held back with everything after it, so the server
+        never sees it unless the proxy is restored; :meth:`sever` drops it. Returns the
+        event set when the pattern went by.
+        """
+        with self._lock:
+            self._trigger = pattern
+            self.triggered.clear()
+        return self.triggered
+
+    def _check_trigger(self, data: bytes) -> None:
+        with self._lock:
+            if self._trigger is None or self._trigger not in data:
+                return
+            self._trigger = None
+            self._stalled = True
+            for link in self._links:
+                link.flowing.clear()
+        self.triggered.set()
+
     def restore(self) -> None:
         """Forward connections again (stalled ones resume where they were)."""
         with self._lock:
             self._severed = False
             self._stalled = False
+            self._trigger = None
             for link in self._links:
                 link.flowing.set()
 
@@ -147,7 +179,8 @@ class Proxy:
 
     def __repr__(self) -> str:
         state = "severed" if self._severed else "stalled" if self._stalled else "open"
-        return f"<Proxy 127.0.0.1:{self.port} -> {self.upstream[0]}:{self.upstream[1]} {state}>"
+        up = f"{self.upstream[0]}:{self.upstream[1]}"
+        return f"<Proxy {self.listen_host}:{self.port} -> {up} {state}>"
 
     # -- threads -----------------------------------------------------------------------
 
@@ -183,17 +216,19 @@ class Proxy:
             for src, dst, way in ((client, upstream, "up"), (upstream, client, "down")):
                 threading.Thread(
                     target=self._pump,
-                    args=(link, src, dst),
+                    args=(link, src, dst, way == "up"),
                     name=f"proxy-{self.port}-{way}",
                     daemon=True,
                 ).start()
 
-    def _pump(self, link: _Link, src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, link: _Link, src: socket.socket, dst: socket.socket, up: bool) -> None:
         try:
             while not link.closed.is_set():
                 data = src.recv(_CHUNK)
                 if not data:
                     break
+                if up and self._trigger is not None:
+                    self._check_trigger(data)
                 # A stall holds the bytes here: nothing reaches the other side.
                 while not link.flowing.wait(0.1):
                     if link.closed.is_set() or self._stopping.is_set():

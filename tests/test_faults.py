@@ -6,6 +6,11 @@ few seconds, the way Toxiproxy does; the servers keep running for everyone else.
 marked ``slow``. One test really restarts PostgreSQL; it only runs when ``CI`` or
 ``DCACHE_ALLOW_PG_RESTART`` is set, since it cuts every other user of that server too.
 
+The checkout tests kill the server sessions of a caller's engine between checkouts (a
+restart, ``KILL`` or failover as the pool meets it) and check that every store call, and
+a drain's write, sees ``StoreUnavailableError`` and recovers. The silent-server test runs
+the store with ``io_timeout`` behind a stalled proxy.
+
 The classification tests produce real driver errors cheaply (a held SQLite write lock, a
 MariaDB lock wait of one second, a PostgreSQL deadlock) and check that
 ``dcache.is_transient`` and the store's translation put each on the side ``_errors.py``
@@ -32,9 +37,10 @@ import attrs
 import pytest
 from _proxy import Proxy, proxied
 from conftest import MYSQL_URL, POSTGRES_URL, SERVER_URLS, backend_url, wipe
-from sqlalchemy import create_engine, select, text
+from sqlalchemy import bindparam, create_engine, event, select, text
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
+from sqlalchemy.pool import NullPool
 
 import batch
 import dcache
@@ -44,6 +50,7 @@ WAIT = 30.0  # the most any handshake or drain may take before the test fails
 OUTAGE = 5.0  # seconds the database is cut away
 FAST = 3.0  # "quickly": the most a request-path call may take to fail during an outage
 HEARTBEAT = dt.timedelta(seconds=0.2)
+IO_TIMEOUT = 2.0  # DB.open(io_timeout=...) of the stores behind the proxy
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -132,6 +139,13 @@ def closed_port() -> int:
         return int(s.getsockname()[1])
 
 
+def fill_pool(db: dcache.DB, n: int = 3) -> None:
+    """Open ``n`` pooled connections (all idle afterwards)."""
+    with contextlib.ExitStack() as stack:
+        for _ in range(n):
+            stack.enter_context(db.engine.connect())
+
+
 @attrs.define
 class Cut:
     """A store reached through a proxy the test can cut, and a direct handle for checks."""
@@ -149,7 +163,7 @@ def cut(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cut]:
     try:
         wipe(direct)
         with proxied(url) as (proxy, through):
-            db = dcache.DB.open(through)
+            db = dcache.DB.open(through, io_timeout=IO_TIMEOUT, connect_timeout=IO_TIMEOUT)
             try:
                 yield Cut(request.param, proxy, db, direct)
             finally:
@@ -288,30 +302,51 @@ def test_an_exhausted_write_budget_gives_up_once_and_the_job_ends_failed_when_th
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="missing: no read/statement timeout on server connections, so a pooled "
-    "connection to a server that stops answering (without resetting) blocks the request "
-    "thread until the network comes back; connect_timeout only bounds new connections",
-)
 def test_requests_fail_fast_when_the_server_stops_answering_without_a_reset(cut: Cut) -> None:
-    """A silent partition must cost a request a 503 within seconds, not a hung thread."""
-    runner = batch.Runner(cut.db, CountingFetch(), batch.Config(heartbeat=HEARTBEAT))
-    result: list[BaseException | None] = []
+    """A silent partition must cost a request a 503 within io_timeout + 2 s, not a hung thread.
+
+    The proxy keeps every connection open and moves no byte, new ones included, so no TCP
+    timer notices: only the store's own deadline (``DB.open(io_timeout=...)``) does. A
+    pre-ping that meets the silence fails the checkout instead of reconnecting (which
+    would add a connect_timeout).
+    """
+    runner = batch.Runner(cut.db, CountingFetch(), batch.Config(heartbeat=dt.timedelta(hours=1)))
+    live_id, _ = runner.submit("carol", "user", targets("s", 1))
+    assert runner.wait(live_id, timeout=WAIT) is not None
+    calls: dict[str, Callable[[], Any]] = {
+        "status": lambda: runner.status(live_id),
+        "job": lambda: runner.job(live_id),
+        "jobs": lambda: runner.jobs(),
+        "submit": lambda: runner.submit("dave", "user", targets("s", 2)),
+        "cancel": lambda: runner.cancel(live_id),
+    }
+    outcomes: dict[str, tuple[BaseException | None, float]] = {}
     try:
-        assert runner.status(batch.new_job_id()) is None  # a pooled connection now exists
+        fill_pool(cut.db, 4)  # pooled connections exist: the stall meets them, not connect
         cut.proxy.stall()
-        worker = threading.Thread(
-            target=lambda: result.append(timed(lambda: runner.status(batch.new_job_id()))[0]),
-            daemon=True,
-        )
-        worker.start()
-        worker.join(FAST + 5)
-        hung = worker.is_alive()
+        workers = [
+            threading.Thread(
+                target=lambda n=name, c=call: outcomes.__setitem__(n, timed(c)),
+                name=f"stalled-{name}",
+                daemon=True,
+            )
+            for name, call in calls.items()
+        ]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(IO_TIMEOUT + 2 + 5)
+        hung = [w.name for w in workers if w.is_alive()]
         cut.proxy.restore()  # unblocks a hung call
-        worker.join(WAIT)
-        assert not hung, "status() hung while the server did not answer"
-        assert isinstance(result[0], dcache.StoreUnavailableError)
+        for w in workers:
+            w.join(WAIT)
+        assert not hung, f"{hung} hung while the server did not answer"
+        for name, (raised, took) in outcomes.items():
+            assert isinstance(raised, dcache.StoreUnavailableError), (name, repr(raised))
+            assert took < IO_TIMEOUT + 2, f"{name} took {took:.1f} s to fail"
+        # Back to normal at once after the partition heals.
+        found = runner.status(live_id)
+        assert found is not None and found[0].status == "done"
     finally:
         cut.proxy.restore()
         runner.close(timeout=10)
@@ -377,6 +412,151 @@ def test_a_real_postgresql_restart_mid_drain_loses_nothing(tmp_path: Path) -> No
             pause(0.5)
         runner.close(timeout=10)
         db.close()
+
+
+# -- connections lost between checkouts (a restart, KILL, failover) ------------------------
+
+
+_WHO = {"postgresql": "SELECT pg_backend_pid()", "mariadb": "SELECT CONNECTION_ID()"}
+
+
+class Sessions:
+    """The server session id of every connection a caller's engine opens, to kill them."""
+
+    def __init__(self, backend: str, engine: Any) -> None:
+        self.backend = backend
+        self.ids: list[int] = []
+        self._admin = create_engine(engine.url, poolclass=NullPool)
+        event.listen(engine, "connect", self._record)
+
+    def _record(self, dbapi_conn: Any, _rec: Any) -> None:
+        cur = dbapi_conn.cursor()
+        cur.execute(_WHO[self.backend])
+        self.ids.append(int(cur.fetchone()[0]))
+        cur.close()
+        dbapi_conn.commit()
+
+    def kill_all(self) -> int:
+        """Kill every recorded session that still exists; wait until the server let it go."""
+        with self._admin.connect() as admin:
+            if self.backend == "postgresql":
+                alive = "SELECT pid FROM pg_stat_activity WHERE pid = ANY(:ids)"
+                kill = "SELECT pg_terminate_backend(:id)"
+            else:
+                alive = "SELECT ID FROM information_schema.PROCESSLIST WHERE ID IN :ids"
+                kill = "KILL CONNECTION :id"
+            query = text(alive)
+            if self.backend == "mariadb":
+                query = query.bindparams(bindparam("ids", expanding=True))
+            targets = [int(i) for i in admin.execute(query, {"ids": self.ids}).scalars()]
+            admin.commit()
+            for sid in targets:
+                admin.execute(text(kill), {"id": sid})
+                admin.commit()
+            deadline = time.monotonic() + WAIT
+            while admin.execute(query, {"ids": targets}).first() is not None:
+                admin.commit()
+                assert time.monotonic() < deadline, "the server never let the sessions go"
+                pause(0.02)
+        return len(targets)
+
+    def close(self) -> None:
+        self._admin.dispose()
+
+
+@contextlib.contextmanager
+def caller_store(backend: str, tmp_path: Path) -> Iterator[tuple[dcache.DB, Sessions]]:
+    """``DB(engine)`` on a caller's engine with no pre-ping: a dead pooled session is used."""
+    engine = create_engine(backend_url(backend, tmp_path), pool_size=3, max_overflow=0)
+    sessions = Sessions(backend, engine)
+    db = dcache.DB(engine)
+    try:
+        wipe(db)
+        yield db, sessions
+    finally:
+        db.close()
+        engine.dispose()
+        sessions.close()
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "mariadb"])
+def test_a_session_lost_between_checkouts_is_store_unavailable_on_every_call(
+    backend: str, tmp_path: Path
+) -> None:
+    """A pooled connection the server dropped must cost a 503 on every call, never a driver error.
+
+    MariaDB's per-checkout ``SET SESSION TRANSACTION ISOLATION LEVEL`` + COMMIT raised
+    ``pymysql`` errors past SQLAlchemy's wrapping (HTTP 500, and the drain skipped its retry).
+    """
+    with caller_store(backend, tmp_path) as (db, sessions):
+        job = db.submit(
+            job_id=batch.new_job_id(),
+            caller="alice",
+            caller_class="user",
+            idem_key="k" * 64,
+            targets=[dcache.NewTarget(url_of("k", 0), "{}")],
+            ttl=dt.timedelta(hours=1),
+            jobs_per_caller=8,
+            jobs_total=8,
+        ).job
+        assert job is not None
+        calls: dict[str, Callable[[], Any]] = {
+            "get_job": lambda: db.get_job(job.id),
+            "get_job_with_targets": lambda: db.get_job_with_targets(job.id),
+            "list_jobs": lambda: db.list_jobs(),
+            "live_batch_jobs_total": db.live_batch_jobs_total,
+            "cancel": lambda: db.cancel(batch.new_job_id()),
+            "heartbeat": lambda: db.heartbeat("owner-k"),
+            "submit": lambda: db.submit(
+                job_id=batch.new_job_id(),
+                caller="bob",
+                caller_class="user",
+                idem_key="b" * 64,
+                targets=[dcache.NewTarget(url_of("b", 0), "{}")],
+                ttl=dt.timedelta(hours=1),
+                jobs_per_caller=8,
+                jobs_total=8,
+            ),
+            "write_target": lambda: db.write_target(
+                job.id, 0, status="failed", error="x", ttl=dt.timedelta(hours=1)
+            ),
+        }
+        for name, call in calls.items():
+            fill_pool(db)
+            assert sessions.kill_all() >= 1
+            raised, _ = timed(call)
+            assert isinstance(raised, dcache.StoreUnavailableError), (name, repr(raised))
+            assert isinstance(cause(raised), sa_exc.DBAPIError), (name, repr(cause(raised)))
+            # The dead connection was dropped, not pooled again: the retry just works.
+            raised, _ = timed(call)
+            assert raised is None, (name, repr(raised))
+        assert db.engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "mariadb"])
+def test_the_drain_retries_a_write_whose_checkout_finds_a_dead_session(
+    backend: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A write that meets a dropped session (its own and the pool's) is retried, never given up."""
+    caplog.set_level(logging.WARNING)
+    n, held = 3, 1
+    fetch = CountingFetch(hold=url_of("d", held))
+    with caller_store(backend, tmp_path) as (db, sessions):
+        runner = batch.Runner(db, fetch, batch.Config(heartbeat=dt.timedelta(hours=1)))
+        try:
+            job_id, _ = runner.submit("alice", "user", targets("d", n))
+            assert fetch.entered.wait(WAIT)
+            fill_pool(db, 2)  # the drain holds one connection; the others idle in the pool
+            assert sessions.kill_all() >= 2
+            fetch.go.set()
+            job = runner.wait(job_id, timeout=WAIT)
+            assert job is not None
+            assert (job.status, job.targets_done, job.error) == ("done", n, "")
+            assert dict(fetch.calls) == {url_of("d", i): 1 for i in range(n)}
+        finally:
+            fetch.go.set()
+            runner.close(timeout=10)
+    assert not [r for r in caplog.records if r.levelno >= logging.CRITICAL]
 
 
 # -- classification: transient or permanent, with real driver errors ----------------------
@@ -477,6 +657,97 @@ def test_sqlite_errors_no_retry_can_fix_are_permanent(tmp_path: Path) -> None:
     assert "readonly" in str(readonly.value)
     assert not dcache.is_transient(syntax.value)
     assert not dcache.is_transient(readonly.value)
+
+
+def raw_error(fn: Callable[[], Any]) -> BaseException:
+    """Run a raw driver call that must fail; return what it raised (the driver's own type)."""
+    try:
+        fn()
+    except Exception as exc:
+        assert not isinstance(exc, sa_exc.SQLAlchemyError)
+        return exc
+    raise AssertionError("the driver call did not fail")
+
+
+def test_raw_driver_errors_are_translated_like_wrapped_ones(
+    tmp_path: Path, postgres_url: str, mariadb_url: str
+) -> None:
+    """The hot paths and pool events meet the driver directly: its errors must become StoreError.
+
+    Each case is a real error of a real driver call, outside SQLAlchemy, sorted on the
+    same line as its wrapped twin: a lost connection or a lock is transient, bad SQL not.
+    """
+    import psycopg
+    import pymysql
+
+    cases: list[tuple[str, BaseException, bool]] = []
+    path = tmp_path / "raw.sqlite3"
+    holder = sqlite3.connect(path, isolation_level=None)
+    other = sqlite3.connect(path, isolation_level=None, timeout=0)
+    try:
+        holder.execute("BEGIN IMMEDIATE")
+        cases.append(("sqlite locked", raw_error(lambda: other.execute("BEGIN IMMEDIATE")), True))
+        cases.append(("sqlite syntax", raw_error(lambda: other.execute("SELEKT 1")), False))
+    finally:
+        holder.close()
+        other.close()
+
+    pg_url = make_url(postgres_url)
+    pg = psycopg.connect(
+        host=pg_url.host, port=pg_url.port or 5432, user=pg_url.username, dbname=pg_url.database
+    )
+    try:
+        cases.append(("psycopg syntax", raw_error(lambda: pg.execute("SELEKT 1")), False))
+        pg.rollback()
+        pid = pg.execute("SELECT pg_backend_pid()").fetchone()[0]  # type: ignore[index]
+        pg.commit()
+        with psycopg.connect(
+            host=pg_url.host,
+            port=pg_url.port or 5432,
+            user=pg_url.username,
+            dbname=pg_url.database,
+            autocommit=True,  # pg_stat_activity is a snapshot per transaction
+        ) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            gone = "SELECT 1 FROM pg_stat_activity WHERE pid = %s"
+            poll(lambda: admin.execute(gone, (pid,)).fetchone() is None, "the session gone")
+        cases.append(("psycopg terminated", raw_error(lambda: pg.execute("SELECT 1")), True))
+        cases.append(("psycopg closed", raw_error(lambda: pg.execute("SELECT 1")), True))
+    finally:
+        pg.close()
+
+    my_url = make_url(mariadb_url)
+    my = pymysql.connect(
+        host=my_url.host, port=my_url.port or 3306, user=my_url.username, database=my_url.database
+    )
+    try:
+        cur = my.cursor()
+        cases.append(("pymysql syntax", raw_error(lambda: cur.execute("SELEKT 1")), False))
+        cur.execute("SELECT CONNECTION_ID()")
+        sid = cur.fetchone()[0]  # type: ignore[index]
+        admin_my = pymysql.connect(host=my_url.host, port=my_url.port or 3306, user=my_url.username)
+        with admin_my.cursor() as acur:
+            acur.execute(f"KILL CONNECTION {int(sid)}")
+            gone = "SELECT 1 FROM information_schema.PROCESSLIST WHERE ID = %s"
+            poll(lambda: acur.execute(gone, (sid,)) == 0, "the session gone")
+        admin_my.close()
+        cases.append(("pymysql killed", raw_error(lambda: cur.execute("SELECT 1")), True))
+        cases.append(("pymysql closed", raw_error(lambda: my.cursor().execute("SELECT 1")), True))
+    finally:
+        with contextlib.suppress(Exception):
+            my.close()
+
+    for name, exc, transient in cases:
+        assert dcache.is_transient(exc) is transient, (name, repr(exc))
+
+        @dcache._errors.wrap_errors
+        def store_call(exc: BaseException = exc) -> None:
+            raise exc
+
+        with pytest.raises(dcache.StoreError) as info:
+            store_call()
+        assert isinstance(info.value, dcache.StoreUnavailableError) is transient, name
+        assert info.value.__cause__ is exc, name
 
 
 def test_exceptions_that_are_not_database_errors_are_never_transient() -> None:

@@ -1,0 +1,242 @@
+"""Per-engine set-up: every connection the store uses is prepared once, the same way.
+
+:func:`prepare_engine` is the one place that attaches the store's settings to an engine,
+whether :meth:`dcache.DB.open` built it or a caller handed it over. It can be called on
+several engines sharing one pool (or a pool made by ``pool.recreate()``) and on the same
+engine twice: what is already attached is not attached again.
+
+What it attaches, and why here rather than per checkout or per statement:
+
+- **The isolation level, once per DBAPI connection** (PostgreSQL, MySQL/MariaDB: READ
+  COMMITTED). ``engine.execution_options(isolation_level=...)`` would set it on every
+  checkout and reset it on every checkin (on MySQL four statements per transaction), and
+  a connection lost there raised the driver's exception outside SQLAlchemy's wrapping.
+  Set from a pool "connect" (or first "checkout") listener, it runs inside the pool's
+  checkout, whose driver errors SQLAlchemy wraps and the store translates.
+- **io_timeout, the most a statement (or COMMIT) may wait for the server.** PyMySQL:
+  ``read_timeout``/``write_timeout``. psycopg: libpq's ``tcp_user_timeout`` and keepalives
+  (a partition that drops packets), and a client-side deadline on every wait of the
+  connection for the server (a peer that takes bytes and never answers, which no TCP
+  timer notices): psycopg funnels every such wait (execute, fetch, commit, rollback, the
+  pool's pre-ping) through ``Connection.wait``, whose ``timeout`` the store fills in. On
+  expiry the connection is closed (it is mid-protocol and unusable), so SQLAlchemy sees a
+  disconnect and the store a transient error. The cost is one Python call per wait.
+- **No reconnect after a silent pre-ping.** A pre-ping that timed out says the server is
+  silent; reconnecting at once would add a whole ``connect_timeout`` to the request's
+  wait, so the checkout fails (transient) and the next request gets a new connection.
+- **SQLite's hooks**: BEGIN IMMEDIATE for writes, WAL, busy timeout.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+from typing import Any
+
+import stamina
+from sqlalchemy import Connection, Engine, event
+from sqlalchemy.engine import ExceptionContext
+
+from ._errors import is_sqlite_busy
+
+__all__ = ["WRITE_OPTION", "prepare_engine"]
+
+log = logging.getLogger("dcache")
+
+WRITE_OPTION = "dcache_write"  # execution option read by the SQLite "begin" hook
+ISOLATION_LEVEL = "READ COMMITTED"
+_SETUP_KEY = "dcache.setup"  # in a pool record's info: this DBAPI connection is prepared
+
+
+def prepare_engine(
+    engine: Engine,
+    *,
+    io_timeout: float | None,
+    synchronous: str = "NORMAL",
+    busy_timeout: float = 30.0,
+) -> None:
+    """Attach the store's per-connection settings to ``engine`` (idempotent).
+
+    Args:
+        engine: the engine the store (or a second engine on the same pool) runs on.
+        io_timeout: PostgreSQL and MySQL: seconds a statement may wait for the server
+            before it fails as a lost connection; ``None``: no limit.
+        synchronous: SQLite only: the ``PRAGMA synchronous`` of new connections.
+        busy_timeout: SQLite only: seconds to wait for a write lock.
+    """
+    if engine.dialect.name == "sqlite":
+        if not event.contains(engine, "begin", _sqlite_begin_marker):
+            _install_sqlite_hooks(engine, synchronous=synchronous, busy_timeout=busy_timeout)
+            event.listen(engine, "begin", _sqlite_begin_marker)
+        return
+    pool = engine.pool
+    if not any(isinstance(fn, _ConnectionSetup) for fn in pool.dispatch.checkout):
+        setup = _ConnectionSetup(engine.dialect, io_timeout)
+        # "connect" prepares new connections before their first use; "checkout" catches
+        # those a caller's pool opened before the store was attached (a dict lookup).
+        event.listen(pool, "connect", setup)
+        event.listen(pool, "checkout", setup)
+    dialect = engine.dialect
+    if io_timeout is not None and not any(
+        isinstance(fn, _ConnectArgs) for fn in dialect.dispatch.do_connect
+    ):
+        event.listen(engine, "do_connect", _ConnectArgs(io_timeout))
+    if not event.contains(engine, "handle_error", _silent_ping_fails):
+        event.listen(engine, "handle_error", _silent_ping_fails)
+
+
+class _ConnectionSetup:
+    """Pool listener: prepare each DBAPI connection once (isolation level, io deadline)."""
+
+    def __init__(self, dialect: Any, io_timeout: float | None) -> None:
+        self.dialect = dialect
+        self.io_timeout = io_timeout
+
+    def __call__(self, dbapi_conn: Any, record: Any, *_proxy: Any) -> None:
+        info = record.info
+        if info.get(_SETUP_KEY):
+            return
+        if self.io_timeout is not None:
+            _bound_waits(dbapi_conn, self.io_timeout)
+        # A driver error here propagates out of the pool's checkout, which SQLAlchemy
+        # wraps (and invalidates the record), so the store translates it.
+        self.dialect.set_isolation_level(dbapi_conn, ISOLATION_LEVEL)
+        info[_SETUP_KEY] = True
+
+
+class _ConnectArgs:
+    """``do_connect`` listener: the driver's own I/O timeouts for every new connection."""
+
+    def __init__(self, io_timeout: float) -> None:
+        self.io_timeout = io_timeout
+
+    def __call__(self, dialect: Any, _record: Any, _cargs: Any, cparams: dict[str, Any]) -> None:
+        io = self.io_timeout
+        if dialect.driver == "pymysql":
+            cparams.setdefault("read_timeout", io)
+            cparams.setdefault("write_timeout", io)
+        elif dialect.driver == "psycopg":
+            # Unacknowledged data for longer than io_timeout breaks the connection (a
+            # partition under a statement); keepalives find one that died while idle.
+            cparams.setdefault("tcp_user_timeout", max(1, int(io * 1000)))
+            cparams.setdefault("keepalives", 1)
+            cparams.setdefault("keepalives_idle", max(1, int(io)))
+            cparams.setdefault("keepalives_interval", max(1, int(io / 3)))
+            cparams.setdefault("keepalives_count", 3)
+
+
+def _bound_waits(dbapi_conn: Any, io_timeout: float) -> None:
+    """Give every wait of this driver connection for the server a deadline."""
+    pymysql = sys.modules.get("pymysql")
+    if pymysql is not None and isinstance(dbapi_conn, pymysql.connections.Connection):
+        # Connections opened before the store's do_connect hook (a caller's pool).
+        for attr in ("_read_timeout", "_write_timeout"):
+            if getattr(dbapi_conn, attr, 0) is None:
+                setattr(dbapi_conn, attr, io_timeout)
+        return
+    psycopg = sys.modules.get("psycopg")
+    if psycopg is None or not isinstance(dbapi_conn, psycopg.Connection):
+        return
+    timeout_error = _psycopg_wait_timeout()
+    if timeout_error is None:
+        return
+    wait = dbapi_conn.wait  # the bound method: cursors call ``conn.wait(gen)``
+    pgconn = dbapi_conn.pgconn
+
+    def timed_wait(gen: Any, *args: Any, **kwargs: Any) -> Any:
+        if len(args) > 1 or kwargs.get("timeout") is not None:
+            return wait(gen, *args, **kwargs)  # psycopg set its own deadline
+        kwargs["timeout"] = io_timeout
+        try:
+            return wait(gen, *args, **kwargs)
+        except timeout_error:
+            # The protocol is mid-exchange: the connection cannot be used again. Closing
+            # it makes SQLAlchemy see a disconnect (and invalidate it).
+            pgconn.finish()
+            raise psycopg.OperationalError(
+                f"no answer from the server within {io_timeout:g} s (io_timeout): timed out"
+            ) from None
+
+    dbapi_conn.wait = timed_wait
+
+
+_WAIT_TIMEOUT: list[Any] = []
+
+
+def _psycopg_wait_timeout() -> type[BaseException] | None:
+    """psycopg's wait-timeout error if its ``Connection.wait`` takes a timeout, else None."""
+    if not _WAIT_TIMEOUT:
+        import psycopg
+
+        found: type[BaseException] | None = getattr(psycopg.errors, "_WaitTimeout", None)
+        try:
+            # psycopg 3.1's wait(gen, timeout) took a poll interval there: ask for both.
+            params = inspect.signature(psycopg.Connection.wait).parameters
+            takes = "interval" in params and "timeout" in params
+        except (TypeError, ValueError):
+            takes = False
+        if found is None or not takes:
+            log.warning(
+                "psycopg %s has no wait timeout: io_timeout bounds PostgreSQL statements "
+                "only through tcp_user_timeout (a partition), not a silent server",
+                psycopg.__version__,
+            )
+            found = None
+        _WAIT_TIMEOUT.append(found)
+    kind: type[BaseException] | None = _WAIT_TIMEOUT[0]
+    return kind
+
+
+def _silent_ping_fails(ctx: ExceptionContext) -> None:
+    """A pre-ping that timed out fails the checkout instead of reconnecting at once."""
+    if ctx.is_pre_ping and ctx.is_disconnect and "timed out" in str(ctx.original_exception):
+        ctx.is_disconnect = False
+
+
+def _install_sqlite_hooks(engine: Engine, *, synchronous: str, busy_timeout: float) -> None:
+    """Make pysqlite transactional the way SQLAlchemy's SQLite docs recommend.
+
+    pysqlite's own BEGIN handling is off (``isolation_level = None``); SQLAlchemy's
+    "begin" event emits ``BEGIN IMMEDIATE`` for write transactions (so a write lock is
+    taken up front: ``FOR UPDATE`` renders nothing on SQLite) and a plain ``BEGIN``
+    for reads, which under WAL never block writers.
+    """
+
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        try:
+            cur.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
+            mode = cur.execute("PRAGMA journal_mode").fetchone()[0]
+            if str(mode).lower() not in ("memory", "wal"):
+                # Switching a new file to WAL needs an exclusive lock and can report
+                # "database is locked" at once, without the busy handler, while another
+                # process opens the same new file: retry it like any lock wait.
+                for attempt in stamina.retry_context(
+                    on=is_sqlite_busy,
+                    attempts=None,
+                    timeout=busy_timeout,
+                    wait_initial=0.01,
+                    wait_max=0.25,
+                ):
+                    with attempt:
+                        cur.execute("PRAGMA journal_mode = WAL")
+            cur.execute(f"PRAGMA synchronous = {synchronous}")
+            cur.execute("PRAGMA foreign_keys = ON")
+        finally:
+            cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: Connection) -> None:
+        dbapi_conn = conn.connection.driver_connection
+        if dbapi_conn is not None and dbapi_conn.isolation_level is not None:
+            # A caller-made engine whose connections predate our "connect" hook.
+            dbapi_conn.isolation_level = None
+        write = conn.get_execution_options().get(WRITE_OPTION, False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+
+def _sqlite_begin_marker(conn: Connection) -> None:
+    """Marks an engine whose SQLite hooks are installed (does nothing itself)."""
