@@ -51,8 +51,9 @@ from ._values import (
     check_text,
     client_idem_key,
     encode_options,
-    idem_key,
+    idem_key_of,
     normalize_targets,
+    payload_key,
 )
 from .events import (
     Event,
@@ -303,8 +304,25 @@ class Runner:
             RunnerClosedError: :meth:`close` was called.
             dcache.StoreError: the database failed (``StoreUnavailableError``: retry).
         """
+        job, reused = self.submit_job(
+            caller, caller_class, targets, idempotency_key=idempotency_key
+        )
+        return job.id, reused
+
+    def submit_job(
+        self,
+        caller: str,
+        caller_class: str,
+        targets: Sequence[Any],
+        *,
+        idempotency_key: str | None = None,
+    ) -> tuple[Job, bool]:
+        """As :meth:`submit`, returning the job itself as the submit transaction saw it.
+
+        For an HTTP layer that answers with the job: no second read.
+        """
         try:
-            job_id, reused, total = self._submit(caller, caller_class, targets, idempotency_key)
+            row, reused = self._submit(caller, caller_class, targets, idempotency_key)
         except (SubmitError, StoreError, RunnerClosedError) as exc:
             self._emit(
                 SubmissionRefused(
@@ -319,8 +337,11 @@ class Runner:
                 self._store_failed("submit", exc)
             raise
         if reused:  # a new job's event went out before its drain started (see _submit)
-            self._emit(JobSubmitted(self._clock(), job_id, caller, caller_class, total, True))
-        return job_id, reused
+            event = JobSubmitted(
+                self._clock(), row.id, caller, caller_class, row.targets_total, True
+            )
+            self._emit(event)
+        return _job(row), reused
 
     def _submit(
         self,
@@ -328,7 +349,7 @@ class Runner:
         caller_class: str,
         targets: Sequence[Any],
         idempotency_key: str | None,
-    ) -> tuple[str, bool, int]:
+    ) -> tuple[JobRow, bool]:
         if self._closed:
             raise RunnerClosedError("the runner is closed and takes no more submissions")
         for value, what in ((caller, "caller"), (caller_class, "caller_class")):
@@ -338,8 +359,10 @@ class Runner:
                 raise InvalidTargetsError(str(exc), field=what) from None
         items = normalize_targets(targets)
         cfg = self._config
+        canon = canonical(items)  # encoded once: the key, and the payload's own hash
+        payload = payload_key(canon)
         if idempotency_key is None:
-            key = idem_key(caller, items)
+            key = idem_key_of(caller, canon)
         else:
             try:
                 check_text(idempotency_key, "idempotency key", limit=MAX_KEY_LENGTH)
@@ -351,8 +374,8 @@ class Runner:
             # Idempotency comes first even here: an identical job that exists is returned.
             found = self._db.batch_job_by_idem(caller, key, now=now)
             if found is not None:
-                self._check_same_payload(found.id, items, idempotency_key)
-                return found.id, True, found.targets_total
+                self._check_same_payload(found, canon, payload, idempotency_key)
+                return found, True
             raise TooManyTargetsError(len(items), cfg.targets_per_job)
         job_id = new_job_id()
         # Until its drain has started, the job may exist with none: if the submit raises
@@ -371,6 +394,7 @@ class Runner:
             jobs_total=cfg.jobs_total,
             owner=self.owner,
             now=now,
+            payload_key=payload,
         )
         if outcome.kind != "created":
             with self._lock:
@@ -378,27 +402,32 @@ class Runner:
         if outcome.kind == "reused":
             assert outcome.job is not None
             self._adopt(outcome.job)
-            self._check_same_payload(outcome.job.id, items, idempotency_key)
-            return outcome.job.id, True, outcome.job.targets_total
+            self._check_same_payload(outcome.job, canon, payload, idempotency_key)
+            return outcome.job, True
         if outcome.kind == "caller_busy":
             raise CallerBusyError(caller, outcome.live, cfg.jobs_per_caller)
         if outcome.kind == "busy":
             raise BusyError(outcome.live, cfg.jobs_total)
         announce = JobSubmitted(now, job_id, caller, caller_class, len(items), False)
         self._start(job_id, items, caller_class, announce)
-        return job_id, False, len(items)
+        assert outcome.job is not None
+        return outcome.job, False
 
     def _check_same_payload(
-        self, job_id: str, items: list[Target], idempotency_key: str | None
+        self, job: JobRow, canon: str, payload: str, idempotency_key: str | None
     ) -> None:
         """A client key reused for other targets is an error, not a silent reuse."""
         if idempotency_key is None:
             return  # the content decided, so the payload is the same by construction
-        found = self._db.get_job_with_targets(job_id, now=self._clock())
-        if found is None:
-            return
-        stored = [Target(t.url, Options(**json.loads(t.options))) for t in found[1]]
-        if canonical(stored) != canonical(items):
+        if job.payload_key is not None:
+            same = job.payload_key == payload  # one comparison, no targets read
+        else:  # a row from before payload keys: compare the targets themselves
+            found = self._db.get_job_with_targets(job.id, now=self._clock(), results=False)
+            if found is None:
+                return
+            stored = [Target(t.url, Options(**json.loads(t.options))) for t in found[1]]
+            same = canonical(stored) == canon
+        if not same:
             raise IdempotencyKeyMismatchError(idempotency_key)
 
     def _adopt(self, row: JobRow) -> None:

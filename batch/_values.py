@@ -30,7 +30,9 @@ __all__ = [
     "client_idem_key",
     "encode_options",
     "idem_key",
+    "idem_key_of",
     "normalize_targets",
+    "payload_key",
 ]
 
 MAX_URL_LENGTH = 8192
@@ -224,8 +226,17 @@ def canonical(targets: Iterable[Target]) -> str:
 
 def idem_key(caller: str, targets: Iterable[Target]) -> str:
     """``sha256(caller + "\\x00" + canonical(targets))`` as 64 hex digits."""
-    data = (caller + "\x00" + canonical(targets)).encode("utf-8")
-    return hashlib.sha256(data).hexdigest()
+    return idem_key_of(caller, canonical(targets))
+
+
+def idem_key_of(caller: str, canon: str) -> str:
+    """:func:`idem_key` from a canonical form already computed."""
+    return hashlib.sha256((caller + "\x00" + canon).encode("utf-8")).hexdigest()
+
+
+def payload_key(canon: str) -> str:
+    """``sha256(canonical form)``: what a job's targets are, whoever submitted them."""
+    return hashlib.sha256(canon.encode("utf-8")).hexdigest()
 
 
 def client_idem_key(caller: str, key: str) -> str:

@@ -661,6 +661,7 @@ class DB(AdminQueries):
         jobs_total: int,
         owner: str = "",
         now: dt.datetime | None = None,
+        payload_key: str | None = None,
     ) -> SubmitOutcome:
         """Decide a submission atomically.
 
@@ -691,6 +692,7 @@ class DB(AdminQueries):
                         jobs_total=jobs_total,
                         owner=owner,
                         now=now,
+                        payload_key=payload_key,
                     )
             except _LockRowRace:
                 continue
@@ -711,6 +713,7 @@ class DB(AdminQueries):
         jobs_total: int,
         owner: str,
         now: dt.datetime,
+        payload_key: str | None,
     ) -> SubmitOutcome:
         if conn.execute(_Q_LOCK, {"n": caller_lock}).first() is None:
             # First submit of this caller: create its lock row. Inserting locks it for the
@@ -745,6 +748,7 @@ class DB(AdminQueries):
             "updated_at": now,
             "expires_at": now + ttl,
             "finished_at": None,
+            "payload_key": payload_key,
         }
         conn.execute(insert(jobs), [job])
         conn.execute(
@@ -1358,4 +1362,3 @@ class Writer:
         return self._db.write_target(
             job_id, idx, status=status, result=result, error=error, hint=hint, ttl=ttl, now=now
         )
-

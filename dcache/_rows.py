@@ -45,6 +45,7 @@ class JobRow:
     updated_at: dt.datetime
     expires_at: dt.datetime
     finished_at: dt.datetime | None
+    payload_key: str | None = None
 
 
 @attrs.frozen

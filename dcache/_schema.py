@@ -148,6 +148,9 @@ jobs = Table(
     Column("updated_at", UTCDateTime, nullable=False),
     Column("expires_at", UTCDateTime, nullable=False),
     Column("finished_at", UTCDateTime, nullable=True),
+    # sha256 of the canonical targets: a client key reused for other targets is told by
+    # one comparison, without reading them (NULL in rows from before it existed).
+    Column("payload_key", String(64), nullable=True),
     Index("ix_batch_job_idem", "caller", "idem_key"),
     Index("ix_batch_job_caller_status", "caller", "status"),
     Index("ix_batch_job_status", "status"),

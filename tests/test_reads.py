@@ -124,3 +124,63 @@ def test_a_live_job_never_reads_as_expired_whatever_the_clock(
     assert runner.status(job_id) is not None
     fake.release(B)
     assert runner.wait(job_id, timeout=WAIT) is not None
+
+
+def test_submit_job_answers_with_the_job_the_submit_transaction_saw(
+    runner: batch.Runner, fake: FakeFetch, db: dcache.DB
+) -> None:
+    """An HTTP layer answers a POST with the job: no second read of it."""
+    job, reused = runner.submit_job("alice", "free", [{"url": A}])
+    assert not reused
+    assert (job.status, job.targets_total, job.caller, job.caller_class) == (
+        "running",
+        1,
+        "alice",
+        "free",
+    )
+    again, reused = runner.submit_job("alice", "free", [{"url": A}])
+    assert reused and again.id == job.id
+    assert runner.wait(job.id, timeout=WAIT) is not None
+
+
+def test_a_client_key_reused_for_other_targets_is_told_without_reading_targets(
+    runner: batch.Runner, fake: FakeFetch, db: dcache.DB
+) -> None:
+    """The stored hash of the canonical targets decides: no target row is read."""
+    from sqlalchemy import event
+
+    job_id, _ = runner.submit("alice", "free", [{"url": A}], idempotency_key="k1")
+    seen: list[str] = []
+
+    def record(conn: object, cursor: object, statement: str, *rest: object) -> None:
+        seen.append(statement)
+
+    event.listen(db.engine, "before_cursor_execute", record)
+    try:
+        with pytest.raises(batch.IdempotencyKeyMismatchError):
+            runner.submit("alice", "free", [{"url": B}], idempotency_key="k1")
+        assert runner.submit("alice", "free", [{"url": A}], idempotency_key="k1") == (
+            job_id,
+            True,
+        )
+    finally:
+        event.remove(db.engine, "before_cursor_execute", record)
+    assert not [s for s in seen if "batch_target" in s and s.lstrip().upper().startswith("SELECT")]
+    assert runner.wait(job_id, timeout=WAIT) is not None
+
+
+def test_a_job_stored_before_payload_keys_is_still_checked_by_its_targets(
+    runner: batch.Runner, fake: FakeFetch, db: dcache.DB
+) -> None:
+    """Rows of the previous release have no payload key: the targets themselves decide."""
+    from sqlalchemy import update
+
+    from dcache._schema import jobs
+
+    job_id, _ = runner.submit("alice", "free", [{"url": A}], idempotency_key="k1")
+    with db.engine.begin() as conn:
+        conn.execute(update(jobs).where(jobs.c.id == job_id).values(payload_key=None))
+    with pytest.raises(batch.IdempotencyKeyMismatchError):
+        runner.submit("alice", "free", [{"url": B}], idempotency_key="k1")
+    assert runner.submit("alice", "free", [{"url": A}], idempotency_key="k1") == (job_id, True)
+    assert runner.wait(job_id, timeout=WAIT) is not None
