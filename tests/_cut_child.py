@@ -26,11 +26,11 @@ import sqlite3
 import threading
 from typing import Any
 
-import batch
-import dcache
-
 from _cut_scenarios import BACKGROUND, RUNNER, STORE, Ctx, Env, Fetch, SplitDB, _err
 from _wireproxy import EXIT_CODE, Cut, Unit, WireProxy, upstream_of, wire_url
+
+import batch
+import dcache
 
 
 class _Arm:
@@ -90,7 +90,9 @@ class CutCursor(sqlite3.Cursor):
     """A cursor whose statements :data:`ARM` numbers and may cut."""
 
     def execute(self, sql: str, parameters: Any = (), /) -> Any:  # type: ignore[override]
-        return _around(sql, _is_commit(sql), lambda: super(CutCursor, self).execute(sql, parameters))
+        return _around(
+            sql, _is_commit(sql), lambda: super(CutCursor, self).execute(sql, parameters)
+        )
 
     def executemany(self, sql: str, seq: Any, /) -> Any:  # type: ignore[override]
         return _around(sql, False, lambda: super(CutCursor, self).executemany(sql, seq))
@@ -114,8 +116,6 @@ class CutConnection(sqlite3.Connection):
         if not self.in_transaction:
             return super().rollback()
         return _around("ROLLBACK", False, super().rollback)  # type: ignore[no-any-return]
-
-
 
 
 def _plain(value: Any) -> Any:
@@ -142,7 +142,11 @@ def run(spec: dict[str, Any]) -> None:
         def open_db(cls: type[dcache.DB] = dcache.DB) -> dcache.DB:
             return cls.open(
                 url,
-                connect_args={"factory": CutConnection, "check_same_thread": False, "timeout": 30.0},
+                connect_args={
+                    "factory": CutConnection,
+                    "check_same_thread": False,
+                    "timeout": 30.0,
+                },
             )
 
         def arm() -> None:

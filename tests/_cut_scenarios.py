@@ -77,7 +77,14 @@ def prepare(db: dcache.DB, now: dt.datetime) -> None:
     lapsed = now - dt.timedelta(hours=5)
     submit(J_LAPSED, 2, OWNER_LIVE, lapsed, ttl=dt.timedelta(hours=1))
     for i in range(2):
-        write(J_LAPSED, i, lapsed, ttl=dt.timedelta(hours=1), status="done", result=result_for(f"l{i}"))
+        write(
+            J_LAPSED,
+            i,
+            lapsed,
+            ttl=dt.timedelta(hours=1),
+            status="done",
+            result=result_for(f"l{i}"),
+        )
     submit(J_CANCEL, 2, OWNER_LIVE, now - 20 * sec)
     write(J_CANCEL, 0, now - 19 * sec, status="done", result=result_for("c-0"))
     assert db.cancel(J_CANCEL, now=now - 18 * sec)
@@ -95,9 +102,7 @@ Snapshot = tuple[tuple[tuple[Any, ...], ...], ...]
 def snapshot(db: dcache.DB) -> Snapshot:
     """Every row of every table, sorted: two snapshots are equal iff the stores are."""
     with db.engine.connect() as conn:
-        return tuple(
-            tuple(sorted(tuple(r) for r in conn.execute(select(t)).all())) for t in TABLES
-        )
+        return tuple(tuple(sorted(tuple(r) for r in conn.execute(select(t)).all())) for t in TABLES)
 
 
 def restore(db: dcache.DB, snap: Snapshot) -> None:
@@ -306,9 +311,13 @@ def _runner_submit(env: Env) -> dict[str, Any]:
             try:
                 job_id, reused = env.runner.submit(caller, "cls", items)
                 out["retry_job"], out["retry_reused"] = job_id, reused
-                out["retry_waited"] = env.runner.wait(job_id, timeout=env.wait)
             except Exception as exc:
                 out["retry_error"] = exc
+            else:
+                try:
+                    out["retry_waited"] = env.runner.wait(job_id, timeout=env.wait)
+                except Exception as exc:
+                    out["retry_wait_error"] = exc
 
 
 def _runner_cancel(env: Env) -> dict[str, Any]:

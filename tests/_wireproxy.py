@@ -160,7 +160,10 @@ class WireProxy:
             raise ValueError(f"unknown protocol {protocol!r}")
         self.protocol = protocol
         self.action = action
-        self.upstream = ("127.0.0.1" if upstream_host == "localhost" else upstream_host, upstream_port)
+        self.upstream = (
+            "127.0.0.1" if upstream_host == "localhost" else upstream_host,
+            upstream_port,
+        )
         self._lock = threading.Lock()
         self._links: set[_Link] = set()
         self._ordinal = 0
@@ -297,7 +300,11 @@ class WireProxy:
                 if frozen:
                     continue  # a cut is due: the server must see nothing after its statement
                 buf += data
-                out = self._up_pg(link, buf) if self.protocol == "postgresql" else self._up_my(link, buf)
+                out = (
+                    self._up_pg(link, buf)
+                    if self.protocol == "postgresql"
+                    else self._up_my(link, buf)
+                )
                 if out is None:
                     return  # cut before a statement
                 if out:
@@ -316,7 +323,9 @@ class WireProxy:
                     break
                 buf += data
                 out, cut = (
-                    self._down_pg(link, buf) if self.protocol == "postgresql" else self._down_my(link, buf)
+                    self._down_pg(link, buf)
+                    if self.protocol == "postgresql"
+                    else self._down_my(link, buf)
                 )
                 if cut == "after":
                     link.client.sendall(out)
@@ -549,7 +558,9 @@ class WireProxy:
         else:
             _rows, pos = _lenenc(payload, 1)
             _last, pos = _lenenc(payload, pos)
-            status = int.from_bytes(payload[pos : pos + 2], "little") if len(payload) >= pos + 2 else 0
+            status = (
+                int.from_bytes(payload[pos : pos + 2], "little") if len(payload) >= pos + 2 else 0
+            )
         return bool(status & _MY_MORE_RESULTS)
 
     def _down_my(self, link: _Link, buf: bytearray) -> tuple[bytes, str | None]:
