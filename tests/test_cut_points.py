@@ -55,6 +55,7 @@ import contextlib
 import datetime as dt
 import inspect
 import json
+import logging
 import multiprocessing
 import time
 import uuid
@@ -190,6 +191,13 @@ def summary(request: pytest.FixtureRequest) -> None:
     plugin = _Summary()
     if not request.config.pluginmanager.is_registered(plugin):
         request.config.pluginmanager.register(plugin, "cut-points-summary")
+
+
+@pytest.fixture
+def quiet(caplog: pytest.LogCaptureFixture) -> None:
+    """Hundreds of trials each log their expected outage warnings: keep only CRITICAL."""
+    for name in ("batch", "dcache", "sqlalchemy"):
+        caplog.set_level(logging.CRITICAL, logger=name)
 
 
 @pytest.fixture(scope="module")
@@ -638,7 +646,7 @@ def finish(t: Trials) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["postgresql", "mariadb"])
 def test_a_cut_at_any_statement_keeps_every_promise_on_servers(
-    backend: str, tmp_path: Path, mp: Any, summary: None
+    backend: str, tmp_path: Path, mp: Any, summary: None, quiet: None
 ) -> None:
     """Every store method, cut before, after or at the COMMIT of each statement, keeps its word."""
     with trials(backend, tmp_path, mp) as t:
@@ -656,7 +664,7 @@ def test_a_cut_at_any_statement_keeps_every_promise_on_servers(
 
 @pytest.mark.slow
 def test_a_kill_at_any_statement_keeps_every_promise_on_sqlite(
-    tmp_path: Path, mp: Any, summary: None
+    tmp_path: Path, mp: Any, summary: None, quiet: None
 ) -> None:
     """Every store method on SQLite, its process killed before or after each statement."""
     with trials("sqlite", tmp_path, mp) as t:
