@@ -27,7 +27,7 @@ from sqlalchemy import delete, insert, select
 
 import batch
 import dcache
-from dcache._schema import GLOBAL_LOCK, jobs, locks, owners, targets
+from dcache._schema import GLOBAL_LOCK, jobs, locks, owners, targets, tombstones
 
 OWNER_LIVE = "owner-live"  # beats "now" and declares itself alive for an hour
 OWNER_DEAD = "owner-dead"  # stopped beating two hours ago
@@ -38,7 +38,7 @@ J_LAPSED = "job-lapsed"  # done, its lease lapsed an hour ago: purge deletes it
 J_CANCEL = "job-cancel"  # cancelled, its drain has not recorded its end yet
 J_PARTIAL = "job-partial"  # partial, finished, one result of 200 kB
 BIG = "\N{SNOWMAN}" * 70_000  # 210 kB of UTF-8: replies and rows that span many reads
-BACKGROUND = ("batch-heartbeat", "batch-purge")  # threads that run on their own timer
+BACKGROUND = ("batch-heartbeat", "batch-maintain", "batch-webhooks")  # threads on their own timer
 
 
 def result_for(tag: str) -> str:
@@ -49,7 +49,8 @@ def result_for(tag: str) -> str:
 def prepare(db: dcache.DB, now: dt.datetime) -> None:
     """Build the prepared store with the public API (every job and owner kind once)."""
     db.heartbeat(OWNER_LIVE, now=now, stale_after=dt.timedelta(hours=1))
-    db.heartbeat(OWNER_DEAD, now=now - dt.timedelta(hours=2), stale_after=dt.timedelta(seconds=30))
+    # A short declared window: a recovery runner watching in real time reaps it in ~1 s.
+    db.heartbeat(OWNER_DEAD, now=now - dt.timedelta(hours=2), stale_after=dt.timedelta(seconds=0.1))
 
     def submit(job_id: str, n: int, owner: str, at: dt.datetime, ttl: dt.timedelta = TTL) -> None:
         out = db.submit(
@@ -95,7 +96,7 @@ def prepare(db: dcache.DB, now: dt.datetime) -> None:
 
 # -- the state of the whole store, exactly ------------------------------------------------
 
-TABLES = (locks, owners, jobs, targets)  # in insert order (targets refer to jobs)
+TABLES = (locks, owners, jobs, targets, tombstones)  # in insert order (targets refer to jobs)
 Snapshot = tuple[tuple[tuple[Any, ...], ...], ...]
 
 
@@ -111,6 +112,7 @@ def restore(db: dcache.DB, snap: Snapshot) -> None:
         conn.execute(delete(targets))
         conn.execute(delete(jobs))
         conn.execute(delete(owners))
+        conn.execute(delete(tombstones))
         conn.execute(delete(locks).where(locks.c.name != GLOBAL_LOCK))
         for table, rows in zip(TABLES, snap):
             keep = [dict(zip(table.c.keys(), r)) for r in rows]
@@ -178,6 +180,11 @@ def _writer(db: dcache.DB, ctx: Ctx) -> Any:
     return first, last
 
 
+def _reap_owners(db: dcache.DB, ctx: Ctx) -> Any:
+    seen = {o.owner: o.token for o in db.owners() if o.owner == OWNER_DEAD}
+    return db.reap_owners(seen, "restart", now=ctx.now)
+
+
 STORE: dict[str, StoreScenario] = {
     "DB.open": StoreScenario(_open, atomic=False),
     "DB.schema_version": StoreScenario(lambda db, c: db.schema_version()),
@@ -207,6 +214,16 @@ STORE: dict[str, StoreScenario] = {
     "DB.reap_orphans": StoreScenario(
         lambda db, c: db.reap_orphans("restart", dt.timedelta(seconds=30), now=c.now)
     ),
+    "DB.get_target": StoreScenario(lambda db, c: db.get_target(J_PARTIAL, 0, now=c.now)),
+    "DB.lookup": StoreScenario(lambda db, c: db.lookup(J_PARTIAL, now=c.now)),
+    "DB.owners": StoreScenario(lambda db, c: db.owners()),
+    # The dead owner, judged by its token as seen now: its live jobs are failed.
+    "DB.reap_owners": StoreScenario(_reap_owners),
+    "DB.live_by_caller": StoreScenario(lambda db, c: db.live_by_caller()),
+    "DB.status_counts": StoreScenario(lambda db, c: db.status_counts(now=c.now)),
+    "DB.jobs_page": StoreScenario(lambda db, c: db.jobs_page(now=c.now)),
+    "DB.job_summary": StoreScenario(lambda db, c: db.job_summary(J_PARTIAL, now=c.now)),
+    "DB.target_result": StoreScenario(lambda db, c: db.target_result(J_PARTIAL, 0, now=c.now)),
     # Several short transactions (batches of two jobs): all or nothing per batch.
     "DB.purge_expired": StoreScenario(
         lambda db, c: db.purge_expired(now=c.now, limit=1), atomic=False
