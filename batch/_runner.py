@@ -967,7 +967,16 @@ class Runner:
         delay = 0.01
         pause = threading.Event()  # never set: an interruptible, Event-based sleep
         while True:
-            job = self.job(job_id)
+            try:
+                job = self.job(job_id)
+            except StoreUnavailableError:
+                # A poll that met an outage (a dropped session, a restart) is retried
+                # until the deadline: waiting is what the caller asked for.
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"job {job_id} did not finish within {timeout} s") from None
+                pause.wait(delay)
+                delay = min(delay * 1.5, 0.5)
+                continue
             if job is None or drain is not None or job.finished_at is not None:
                 # A drain of ours has ended (even one that could not record it): done.
                 return job

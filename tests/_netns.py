@@ -81,7 +81,11 @@ class Namespace:
 
     def popen(self, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[str]:
         """Start ``argv`` inside the namespace (``ip netns exec``)."""
-        return subprocess.Popen(["ip", "netns", "exec", self.name, *argv], text=True, **kwargs)
+        # The network jail (tests/_netjail.py) lets the child reach this test's own hosts.
+        env = dict(kwargs.pop("env", None) or os.environ)
+        env["BATCH_NETJAIL_ALLOW"] = str(self.subnet)
+        argv = ["ip", "netns", "exec", self.name, *argv]
+        return subprocess.Popen(argv, text=True, env=env, **kwargs)
 
     def partition(self) -> str:
         """Drop every packet on both ends of the pair; returns the qdisc used."""

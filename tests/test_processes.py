@@ -722,7 +722,7 @@ def test_a_runners_real_heartbeat_and_maintenance_threads_survive_wall_clock_ste
     """Real threads, short beats, one shared wall clock stepping both ways: nobody is reaped."""
     wall = Clock(dcache.utcnow())
     gate = Gate(block_at=0)
-    config = batch.Config(heartbeat=dt.timedelta(seconds=0.05))
+    config = batch.Config(heartbeat=dt.timedelta(seconds=0.2))  # judged dead after 0.6 s
     with (
         batch.Runner(db, gate, config, clock=wall) as a,
         batch.Runner(db, Gate(), config, clock=wall) as b,
@@ -731,7 +731,7 @@ def test_a_runners_real_heartbeat_and_maintenance_threads_survive_wall_clock_ste
         assert gate.reached.wait(10)
         for step in (60, -120, 3600):
             wall.advance(seconds=step)
-            stop = time.monotonic() + 0.6  # twelve periods, four staleness windows
+            stop = time.monotonic() + 1.5  # over seven periods, two staleness windows
             while time.monotonic() < stop:
                 assert job_of(b, job_id).status == "running"
                 threading.Event().wait(0.05)
@@ -750,7 +750,7 @@ def test_a_runners_real_heartbeat_and_maintenance_threads_survive_wall_clock_ste
             now=wall(),
         )
         assert out.kind == "created"
-        db.heartbeat("ghost", now=wall(), stale_after=dt.timedelta(seconds=0.15))
+        db.heartbeat("ghost", now=wall(), stale_after=dt.timedelta(seconds=0.6))
         deadline = time.monotonic() + 10
         while job_of(b, "f" * 32).status == "running" and time.monotonic() < deadline:
             threading.Event().wait(0.02)
