@@ -83,6 +83,7 @@ def setup(app: object) -> None:
 doctest_global_setup = f"""
 import os as _os, sys as _sys
 _sys.path.insert(0, {str(ROOT)!r})
+_PG = _os.environ.get("BATCH_DOCS_POSTGRES_URL")
 """
 doctest_test_doctest_blocks = ""  # only the explicit testcode / doctest directives run
 os.environ.setdefault("BATCH_DOCS_BUILD", "1")
