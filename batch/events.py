@@ -127,7 +127,9 @@ Event = (
     | JobsReaped
     | StoreFailed
 )
+"""Any one of the events above (a union of the event classes)."""
 Subscriber = Callable[[Event], object]
+"""The type of a subscriber, called with each event on the dispatcher thread (return ignored)."""
 
 _STOP = object()
 

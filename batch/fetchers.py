@@ -52,6 +52,7 @@ __all__ = [
 ]
 
 DEFAULT_MAX_BYTES = 4 * 1024 * 1024
+"""The default cap on a response body, in bytes (4 MiB); ``Fetcher(max_bytes=...)``."""
 _CHUNK = 64 * 1024
 _TEXT_TYPES = (
     "application/json",
