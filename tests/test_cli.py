@@ -1212,3 +1212,39 @@ def test_tables_show_stored_text_inert_and_within_the_width() -> None:
     assert "\\x1b]0;owned\\x07" in wide
     assert "boom\\x1b[2J second line" in wide
     assert _cli_show.fit("\u5b57" * 10, 7) == "\u5b57" * 3 + "…"
+
+
+def test_the_cli_runs_without_the_optional_extras(tmp_path: Path) -> None:
+    """The README's first command runs on `pip install -e .` alone: no Flask, Jinja2, tqdm
+    or shtab is imported unless the command needs it."""
+    code = (
+        "import sys\n"
+        "for name in ('flask', 'jinja2', 'werkzeug', 'tqdm', 'shtab', 'prometheus_client'):\n"
+        "    sys.modules[name] = None  # importing it now raises ImportError\n"
+        "from batch._cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    data = Path(__file__).parent / "data" / "offline.txt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCH_")}
+    env["BATCH_DB"] = f"sqlite:///{tmp_path / 'fresh.sqlite3'}"
+    done = subprocess.run(
+        [sys.executable, "-c", code, "run", str(data)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=Path(__file__).parent.parent,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert all(t["status"] == "done" for t in lines(done.stdout))
+    completion = subprocess.run(
+        [sys.executable, "-c", code, "completion", "bash"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+    assert completion.returncode == 2
+    assert "pip install 'batch-dcache[cli]'" in completion.stderr
