@@ -1,4 +1,8 @@
-"""The command line: ``python -m batch`` (or ``batch``) run, status, cancel, jobs, purge.
+"""The command line: ``python -m batch`` (or ``batch``) run, status [--watch], cancel, jobs,
+purge, serve, completion.
+
+Made for people on a terminal (tables cut to its width, a live redraw, errors that say what
+to check) and for scripts everywhere else (piped or ``--json``: JSON lines, unchanged).
 
 Exit statuses: 0 success (``run``: the job is done); 1 the job ended partial, failed or
 cancelled, or the job asked for does not exist; 2 bad input or usage; 75 busy or the
