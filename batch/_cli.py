@@ -1,4 +1,8 @@
-"""The command line: ``python -m batch`` (or ``batch``) run, status, cancel, jobs, purge.
+"""The command line: ``python -m batch`` (or ``batch``) run, status [--watch], cancel, jobs,
+purge, serve, completion.
+
+Made for people on a terminal (tables cut to its width, a live redraw, errors that say what
+to check) and for scripts everywhere else (piped or ``--json``: JSON lines, unchanged).
 
 Exit statuses: 0 success (``run``: the job is done); 1 the job ended partial, failed or
 cancelled, or the job asked for does not exist; 2 bad input or usage; 75 busy or the
@@ -13,7 +17,6 @@ database password never appears in anything printed.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import importlib
 import io
 import json
@@ -22,14 +25,26 @@ import re
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from types import FrameType
-from typing import IO, Any, Protocol
+from typing import Any, Protocol
 from urllib.parse import unquote
 
 import dcache
 
 from . import _serve
+from ._cli_show import (
+    Redraw,
+    explain_open_failure,
+    job_lines,
+    table,
+    target_rows,
+    terminal_width,
+    when,
+    write_result,
+)
 from ._errors import (
     BusyError,
     CallerBusyError,
@@ -37,7 +52,7 @@ from ._errors import (
     SubmitError,
     TooManyTargetsError,
 )
-from ._runner import Fetch, Runner
+from ._runner import Fetch, Runner, _job, _target_status
 from ._values import Job, Target, TargetStatus, normalize_targets
 from .fetchers import Fetcher
 
@@ -47,6 +62,7 @@ __all__ = [
     "EXIT_OK",
     "EXIT_TEMPFAIL",
     "EXIT_USAGE",
+    "StoreReader",
     "local_fetch",
     "main",
     "read_targets",
@@ -62,6 +78,7 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 DEFAULT_DB = "sqlite:///batch.sqlite3"
 DEFAULT_FETCH = "batch._cli:local_fetch"
 _POLL = 0.2  # seconds between progress updates while waiting
+_SETTLE = 10.0  # seconds --watch waits for a terminal job's drain to report its end
 # SQLAlchemy's own URL grammar: name://[user[:password]@]host...; the password is
 # everything up to the last "@" before the host (it may hold ":" and "/").
 _URL_CREDENTIALS = re.compile(r"^(?P<head>[\w+.-]+://[^:/@]*:)(?P<password>.*)(?P<at>@)(?=[^@]*$)")
@@ -196,24 +213,6 @@ def _emit(obj: object) -> None:
     else:
         sys.stdout.write(line)
         sys.stdout.flush()
-
-
-def _when(value: dt.datetime | None) -> str:
-    if value is None:
-        return "-"
-    return value.astimezone(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
-
-
-def _table(rows: Sequence[Sequence[str]], out: IO[str]) -> None:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        cells = [cell.ljust(widths[i]) for i, cell in enumerate(row[:-1])]
-        print("  ".join([*cells, row[-1]]).rstrip(), file=out)
-
-
-def _short(text: str, width: int) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def _summary(job: Job) -> str:
@@ -363,7 +362,7 @@ class _Interrupts:
             self._pipe = None
 
 
-# -- commands ------------------------------------------------------------------------------
+# -- the store, opened -----------------------------------------------------------------------
 
 
 def _db_url(args: argparse.Namespace) -> str:
@@ -384,8 +383,17 @@ def _open_db(args: argparse.Namespace) -> dcache.DB | int:
     try:
         return dcache.DB.open(url)
     except Exception as exc:  # any parse or driver failure: one line, never a traceback
-        _say(f"cannot open the database {redact_url(url)!r}: {exc}")
+        _say(explain_open_failure(url, redact_url(url), exc))
         return EXIT_TEMPFAIL if isinstance(exc, dcache.StoreUnavailableError) else EXIT_FAILED
+
+
+def _store_failed(args: argparse.Namespace, exc: dcache.StoreError) -> int:
+    shown = redact_url(_db_url(args))
+    if isinstance(exc, dcache.StoreUnavailableError):
+        _say(f"the database {shown} is unavailable: {exc}; retry later")
+        return EXIT_TEMPFAIL
+    _say(f"database error on {shown}: {exc}")
+    return EXIT_FAILED
 
 
 def _with_runner(args: argparse.Namespace, fetch: Fetch, body: Callable[[Runner], int]) -> int:
@@ -399,26 +407,85 @@ def _with_runner(args: argparse.Namespace, fetch: Fetch, body: Callable[[Runner]
             return body(runner)
         finally:
             runner.close(timeout=getattr(args, "close_timeout", None))
-    except dcache.StoreUnavailableError as exc:
-        _say(f"the database is unavailable: {exc}; retry later")
-        return EXIT_TEMPFAIL
     except dcache.StoreError as exc:
-        _say(f"database error: {exc}")
-        return EXIT_FAILED
+        return _store_failed(args, exc)
     finally:
         db.close()
 
 
-def _refuse(target: Target) -> Any:
-    raise RuntimeError("this command does not fetch")
+class StoreReader:
+    """Reads and cancels on the store alone, for the commands that drain nothing.
+
+    A :class:`Runner` registers an owner row, starts heartbeat and maintenance threads
+    and reaps other processes' jobs when it starts: none of that belongs in ``batch
+    status``. These reads convert rows exactly as the runner does.
+    """
+
+    def __init__(self, db: dcache.DB) -> None:
+        self.db = db
+
+    def status(self, job_id: str, *, results: bool = True) -> tuple[Job, list[TargetStatus]] | None:
+        """The job and its targets (see :meth:`Runner.status`)."""
+        found = self.db.get_job_with_targets(job_id, results=results)
+        if found is None:
+            return None
+        row, rows = found
+        in_flight = -1
+        if row.status == "running":
+            in_flight = next((t.idx for t in rows if t.status == "pending"), -1)
+        return _job(row), [_target_status(t, in_flight=t.idx == in_flight) for t in rows]
+
+    def result(self, job_id: str, idx: int) -> TargetStatus | None:
+        """One target with its result (see :meth:`Runner.result`)."""
+        found = self.db.get_target(job_id, idx)
+        if found is None:
+            return None
+        row, target = found
+        in_flight = row.status == "running" and target.status == "pending"
+        return _target_status(target, in_flight=in_flight and target.idx == row.targets_done)
+
+    def job(self, job_id: str) -> Job | None:
+        """The job without its targets."""
+        row = self.db.get_job(job_id)
+        return _job(row) if row is not None else None
+
+    def jobs(self, *, caller: str | None, live_only: bool, limit: int) -> list[Job]:
+        """Visible jobs, newest first."""
+        return [_job(r) for r in self.db.list_jobs(caller=caller, live_only=live_only, limit=limit)]
+
+    def cancel(self, job_id: str) -> bool:
+        """Flip a live job to cancelled; its draining process stops after the target in
+        flight (it sees the status at its next write)."""
+        return self.db.cancel(job_id)
+
+
+def _with_store(args: argparse.Namespace, body: Callable[[StoreReader], int]) -> int:
+    """Open the store (not a runner), run ``body``, close it; map store failures."""
+    db = _open_db(args)
+    if isinstance(db, int):
+        return db
+    try:
+        return body(StoreReader(db))
+    except dcache.StoreError as exc:
+        return _store_failed(args, exc)
+    finally:
+        db.close()
+
+
+# -- run -------------------------------------------------------------------------------------
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     try:
         items = _read_file(args.file)
         fetch = local_fetch if args.fetch is None else _load_fetch(args.fetch)
+        if args.output is not None:
+            Path(args.output).mkdir(parents=True, exist_ok=True)
     except InputError as exc:
         _say(str(exc))
+        return EXIT_USAGE
+    except OSError as exc:
+        _say(f"--output {args.output}: cannot create the folder: {exc.strerror or exc}")
         return EXIT_USAGE
     show = not args.no_progress and sys.stderr.isatty()
     with _Interrupts(args) as interrupts:
@@ -427,6 +494,29 @@ def _cmd_run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             _say("interrupted three times: leaving at once")
             return EXIT_INTERRUPTED
+
+
+def _busy(runner: Runner, args: argparse.Namespace, exc: SubmitError) -> None:
+    """Say who holds the cap, until when, and what the user can do about it."""
+    if isinstance(exc, CallerBusyError):
+        holders = runner.jobs(caller=args.caller, live_only=True, limit=3)
+        if not holders:  # it ended in between: a retry will go through
+            _say(f"{exc}; retry now")
+            return
+        held = "; ".join(
+            f"job {j.id} is {j.status} ({j.targets_done}/{j.targets_total} target(s) "
+            f"stored, lease until {when(j.expires_at)} unless it stores another)"
+            for j in holders
+        )
+        first = holders[0].id
+        _say(
+            f"caller {args.caller!r} is busy: {held}. Follow it with `batch status --watch "
+            f"{first}`, stop it with `batch cancel {first}`, or submit as another --caller"
+        )
+        return
+    live = runner.jobs(live_only=True, limit=1)
+    oldest = f"; the newest live one is job {live[0].id}" if live else ""
+    _say(f"{exc} (Config.jobs_total){oldest}; `batch jobs --live` lists them")
 
 
 def _run_job(
@@ -442,7 +532,7 @@ def _run_job(
         _say(f"{args.file}: {exc}")
         return EXIT_USAGE
     except (CallerBusyError, BusyError) as exc:
-        _say(str(exc))
+        _busy(runner, args, exc)
         return EXIT_TEMPFAIL
     except SubmitError as exc:
         _say(str(exc))
@@ -454,7 +544,7 @@ def _run_job(
     if reused:
         _say(
             f"job {job_id} reused: the same targets were submitted within its lease "
-            f"(until {_when(job.expires_at)}); printing its stored results without "
+            f"(until {when(job.expires_at)}); printing its stored results without "
             "fetching again"
         )
         if not job.terminal:
@@ -481,15 +571,57 @@ def _run_job(
         bar.close()
     if finished is None and interrupts.asked.is_set():
         return _interrupted(runner, args, job_id, interrupts)
-    found = runner.status(job_id)
+    final = _report(runner, args, job_id)
+    if final is None:
+        return EXIT_FAILED
+    return EXIT_OK if final.status == "done" else EXIT_FAILED
+
+
+def _json_out(args: argparse.Namespace) -> bool:
+    """JSON lines for scripts: asked for, or stdout is not a terminal."""
+    return bool(getattr(args, "json", False)) or not sys.stdout.isatty()
+
+
+def _report(runner: Runner, args: argparse.Namespace, job_id: str) -> Job | None:
+    """Print the job's outcomes (JSON lines, or a table on a terminal), write --output
+    files, and say the summary on stderr; ``None`` if the job lapsed meanwhile."""
+    as_json = _json_out(args)
+    found = runner.status(job_id, results=as_json)
     if found is None:
         _say(f"job {job_id} lapsed before its results could be read")
-        return EXIT_FAILED
+        return None
     final, targets = found
-    for t in targets:
-        _emit(t.to_json())
+    if as_json:
+        for t in targets:
+            _emit(t.to_json())
+    else:
+        for line in target_rows(targets, terminal_width()):
+            print(line)
+        sys.stdout.flush()
+    if args.output is not None:
+        _write_outputs(runner, args, job_id, targets)
     _say(_summary(final))
-    return EXIT_OK if final.status == "done" else EXIT_FAILED
+    return final
+
+
+def _write_outputs(
+    runner: Runner, args: argparse.Namespace, job_id: str, targets: list[TargetStatus]
+) -> None:
+    directory = Path(args.output)
+    written = 0
+    for t in targets:
+        if t.status != "done":
+            continue
+        # One result in memory at a time, however large the job's results are.
+        full = t if t.result is not None else runner.result(job_id, t.idx)
+        if full is None:
+            continue
+        try:
+            if write_result(directory, full) is not None:
+                written += 1
+        except OSError as exc:
+            _say(f"--output: cannot write target {t.idx}: {exc.strerror or exc}")
+    _say(f"{written} result file(s) in {directory}")
 
 
 def _interrupted(
@@ -517,23 +649,19 @@ def _interrupted(
             continue
         if job is None:
             break
-    found = runner.status(job_id)
-    if found is not None:
-        for t in found[1]:
-            _emit(t.to_json())
-        _say(_summary(found[0]))
+    _report(runner, args, job_id)
     return EXIT_INTERRUPTED
 
 
-def _target_row(t: TargetStatus) -> list[str]:
-    size = str(len(t.result.content)) if t.result is not None else "-"
-    problem = t.error + (f" (hint: {t.hint})" if t.hint else "")
-    return [str(t.idx), t.status, size, _short(t.url, 60), _short(problem, 60)]
+# -- status, cancel, jobs, purge ---------------------------------------------------------------
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    def body(runner: Runner) -> int:
-        found = runner.status(args.id)
+    def body(store: StoreReader) -> int:
+        if args.watch:
+            return _watch(store, args)
+        # The table shows each result's stored size: no result needs reading for it.
+        found = store.status(args.id, results=args.json)
         if found is None:
             _say(f"no job {args.id!r} (unknown, or its lease lapsed)")
             return EXIT_FAILED
@@ -541,40 +669,71 @@ def _cmd_status(args: argparse.Namespace) -> int:
         if args.json:
             _emit({"job": job.to_json(), "targets": [t.to_json() for t in targets]})
             return EXIT_OK
-        out = sys.stdout
-        print(_summary(job), file=out)
-        print(
-            f"caller {job.caller} ({job.caller_class}); created {_when(job.created_at)}; "
-            f"finished {_when(job.finished_at)}; expires {_when(job.expires_at)}",
-            file=out,
-        )
-        _table(
-            [["IDX", "STATUS", "BYTES", "URL", "ERROR"], *(_target_row(t) for t in targets)],
-            out,
-        )
+        width = terminal_width() if sys.stdout.isatty() else None
+        for line in job_lines(job, targets, width):
+            print(line)
         return EXIT_OK
 
-    return _with_runner(args, _refuse, body)
+    return _with_store(args, body)
+
+
+def _watch(store: StoreReader, args: argparse.Namespace) -> int:
+    """Follow a job until it has finished: redraw on a terminal, a line per change when
+    piped, a JSON object per change with --json. Exit as ``run`` does."""
+    tty = sys.stdout.isatty() and not args.json
+    redraw = Redraw(sys.stdout) if tty else None
+    pause = threading.Event()  # never set: an Event-based, interruptible sleep
+    seen: tuple[object, ...] | None = None
+    ended_at: float | None = None
+    while True:
+        found = store.status(args.id, results=False)
+        if found is None:
+            _say(f"no job {args.id!r} (unknown, or its lease lapsed)")
+            return EXIT_FAILED
+        job, targets = found
+        state = (job.status, job.targets_done, job.finished_at, *(t.status for t in targets))
+        if state != seen:
+            seen = state
+            if args.json:
+                _emit({"job": job.to_json(), "targets": [t.to_json() for t in targets]})
+            elif redraw is not None:
+                redraw.show(job_lines(job, targets, terminal_width()))
+            else:
+                print(_summary(job), flush=True)
+        if job.finished_at is not None:
+            break
+        if job.terminal:
+            # Terminal, but its drain has not said it stopped (the target in flight is
+            # being stored, or its process died): give it a little while, then leave.
+            ended_at = ended_at if ended_at is not None else time.monotonic()
+            if time.monotonic() - ended_at > _SETTLE:
+                _say(f"job {job.id} is {job.status}; its drain has not reported its end")
+                break
+        pause.wait(args.interval)
+    if redraw is None and not args.json:
+        for line in job_lines(job, targets, None):
+            print(line)
+    return EXIT_OK if job.status == "done" else EXIT_FAILED
 
 
 def _cmd_cancel(args: argparse.Namespace) -> int:
-    def body(runner: Runner) -> int:
-        if runner.cancel(args.id):
+    def body(store: StoreReader) -> int:
+        if store.cancel(args.id):
             print(f"job {args.id} cancelled; its drain stops after the target in flight")
             return EXIT_OK
-        job = runner.job(args.id)
+        job = store.job(args.id)
         if job is None:
             _say(f"no job {args.id!r} (unknown, or its lease lapsed)")
         else:
             _say(f"job {args.id} is already {job.status}: nothing to cancel")
         return EXIT_FAILED
 
-    return _with_runner(args, _refuse, body)
+    return _with_store(args, body)
 
 
 def _cmd_jobs(args: argparse.Namespace) -> int:
-    def body(runner: Runner) -> int:
-        jobs = runner.jobs(caller=args.caller, live_only=args.live, limit=args.limit)
+    def body(store: StoreReader) -> int:
+        jobs = store.jobs(caller=args.caller, live_only=args.live, limit=args.limit)
         if args.json:
             for job in jobs:
                 _emit(job.to_json())
@@ -589,16 +748,22 @@ def _cmd_jobs(args: argparse.Namespace) -> int:
                 j.status,
                 f"{j.targets_done}/{j.targets_total}",
                 str(j.targets_failed),
-                _short(j.caller, 24),
-                _when(j.created_at),
-                _when(j.expires_at),
+                j.caller,
+                when(j.created_at),
+                when(j.expires_at),
             ]
             for j in jobs
         ]
-        _table(rows, sys.stdout)
+        width = terminal_width() if sys.stdout.isatty() else None
+        if width is not None:
+            # Never cut an id: leave out the times, then cut the caller.
+            need = sum(max(len(r[i]) for r in rows) + 2 for i in range(4)) + 8
+            rows = [r[:5] for r in rows] if need + 2 * 22 > width else rows
+        for line in table(rows, width, shrink=(4,)):
+            print(line)
         return EXIT_OK
 
-    return _with_runner(args, _refuse, body)
+    return _with_store(args, body)
 
 
 def _cmd_purge(args: argparse.Namespace) -> int:
@@ -621,7 +786,132 @@ def _cmd_purge(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_completion(args: argparse.Namespace) -> int:
+    try:
+        shtab = importlib.import_module("shtab")
+    except ImportError:
+        _say("shell completion needs shtab: pip install 'batch-dcache[cli]'")
+        return EXIT_USAGE
+    script: str = shtab.complete(_parser(), shell=args.shell)
+    sys.stdout.write(script if script.endswith("\n") else script + "\n")
+    return EXIT_OK
+
+
 # -- the parser ----------------------------------------------------------------------------
+
+_FILE = {"bash": "_shtab_compgen_files", "zsh": "_files"}  # shtab.FILE, without importing it
+_DIR = {"bash": "_shtab_compgen_dirs", "zsh": "_files -/"}  # shtab.DIRECTORY
+
+_MAIN_EPILOG = """\
+commands:
+  run FILE          submit the targets in FILE as one job, wait, show each outcome
+  status ID         show a job and its targets (--watch: follow it until it ends)
+  cancel ID         cancel a live job
+  jobs              list jobs, newest first
+  purge             delete jobs whose lease lapsed
+  serve             the dashboard and the JSON API on 127.0.0.1 (local use)
+  completion SHELL  print a bash or zsh completion script
+
+environment:
+  BATCH_DB          the database URL when --db is not given (default {db})
+
+exit statuses:
+  0    success (run, status --watch: the job is done)
+  1    the job ended partial, failed or cancelled, or there is no such job
+  2    bad input or usage
+  75   busy, or the database is unavailable: retry later
+  130  interrupted (run cancels its job first)
+
+examples:
+  batch run urls.txt                       a table on a terminal, JSON lines when piped
+  batch run urls.txt | jq -r .status       scripts read one JSON object per target
+  BATCH_DB=postgresql+psycopg://app@db/batch batch jobs --live
+  batch completion bash > ~/.local/share/bash-completion/completions/batch
+
+`batch COMMAND --help` shows each command's options and examples.
+"""
+
+_RUN_DESCRIPTION = """\
+Submit the targets in FILE as one job, wait for it, and show each target's outcome.
+
+FILE holds one URL a line, or one JSON object a line ({"url": ..., "options": {...}});
+blank lines and lines starting with # are skipped; - reads standard input.
+
+On a terminal, a progress bar runs on stderr and the outcomes come as a table (index,
+status, stored bytes, URL, error) cut to the terminal's width. Piped, or with --json,
+each outcome is one JSON line on stdout with the full result, for scripts. --output DIR
+also writes each result's content to a file per target (NN-name; .bin for binary).
+
+Running the same file again while the job's lease holds reuses the job: its stored
+results are shown without fetching again. Ctrl-C cancels the job (the target in flight
+is stored) and exits 130; a second Ctrl-C, however quick, cancels it too and exits
+without waiting for the target in flight.
+
+The default fetcher reads file: URLs and reaches private and loopback addresses (this
+machine's user is trusted); a web app's default (batch.fetchers:fetch) allows neither.
+"""
+
+_RUN_EPILOG = """\
+examples:
+  batch run urls.txt                          fetch, show a table, exit 0 if all done
+  batch run urls.txt --json > outcomes.jsonl  JSON lines even on a terminal
+  batch run urls.txt --output pages/          also one file per result in pages/
+  printf 'https://example.org/\\n' | batch run -
+  batch run urls.txt --fetch myapp.fetching:fetch --caller nightly
+  batch run urls.txt --db postgresql+psycopg://app@db.internal/batch
+"""
+
+_STATUS_EPILOG = """\
+examples:
+  batch status 3f2a...                one job: a header and a table of its targets
+  batch status 3f2a... --json         one JSON object with every result
+  batch status 3f2a... --watch        follow it live until it ends (exit 0 if done)
+  batch status 3f2a... --watch --json a JSON object per change (results left out,
+                                      their sizes in "bytes")
+"""
+
+_CANCEL_EPILOG = """\
+The job's draining process, wherever it runs, stores the target in flight and stops
+before the next. Exit 1 when the job is unknown, lapsed, or already ended.
+
+examples:
+  batch cancel 3f2a...
+  batch jobs --live --json | jq -r .id | xargs -n1 batch cancel
+"""
+
+_JOBS_EPILOG = """\
+examples:
+  batch jobs                      the 100 newest jobs as a table
+  batch jobs --live               only queued or running jobs
+  batch jobs --caller alice --limit 5 --json
+"""
+
+_PURGE_EPILOG = """\
+Runners purge lapsed jobs on their own (Config.purge_interval); this is for a database
+no runner is attached to.
+
+examples:
+  batch purge
+  batch purge --json              prints {"purged": N}
+"""
+
+_SERVE_EPILOG = """\
+examples:
+  batch serve                               http://127.0.0.1:8000/batch/
+  batch serve --port 0 --db sqlite:///other.sqlite3
+"""
+
+_COMPLETION_DESCRIPTION = """\
+Print a completion script for bash or zsh, generated from this command's own options
+(needs shtab: pip install 'batch-dcache[cli]').
+"""
+
+_COMPLETION_EPILOG = """\
+examples:
+  batch completion bash > ~/.local/share/bash-completion/completions/batch
+  batch completion zsh > ~/.zfunc/_batch    (with fpath+=~/.zfunc before compinit)
+  eval "$(batch completion bash)"           this shell only
+"""
 
 
 def _positive(text: str) -> int:
@@ -634,6 +924,23 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0.05 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"between 0.05 and 3600 seconds, not {text}")
+    return value
+
+
+def _command(sub: Any, name: str, help: str, **kw: Any) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = sub.add_parser(
+        name, help=help, formatter_class=argparse.RawDescriptionHelpFormatter, **kw
+    )
+    return parser
+
+
 def _parser() -> argparse.ArgumentParser:
     db_help = f"the database URL (default: $BATCH_DB, else {DEFAULT_DB})"
     common = argparse.ArgumentParser(add_help=False)
@@ -642,29 +949,25 @@ def _parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="batch",
-        description="Persistent, serial batch jobs: run a file of targets, inspect and "
-        "cancel jobs, purge lapsed ones.",
-        epilog="Exit statuses: 0 ok; 1 job partial/failed/cancelled or not found; 2 bad "
-        "input; 75 busy or database unavailable (retry later); 130 interrupted.",
+        description="Persistent, serial batch jobs: run a file of targets, follow, inspect "
+        "and cancel jobs, purge lapsed ones.",
+        epilog=_MAIN_EPILOG.format(db=DEFAULT_DB),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--db", metavar="URL", default=None, help=db_help)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    run = sub.add_parser(
+    run = _command(
+        sub,
         "run",
+        "submit the targets in FILE, wait, show each outcome",
         parents=[common],
-        help="submit the targets in FILE, wait, print each outcome as a JSON line",
-        description="Submit the targets in FILE (one URL a line, or JSON lines "
-        '{"url": ..., "options": {...}}; - for stdin) as one job, wait for it, and print '
-        "each target's outcome as a JSON line on stdout. Running the same file again "
-        "while the job's lease holds reuses the job: its stored results are printed "
-        "without fetching again. Ctrl-C cancels the job (the target in flight is "
-        "stored) and exits 130; a second Ctrl-C, however quick, cancels it too and exits "
-        "without waiting for the target in flight. The default fetcher reads file: URLs "
-        "and reaches private and loopback addresses (this machine's user is trusted); a "
-        "web app's default (batch.fetchers:fetch) allows neither.",
+        description=_RUN_DESCRIPTION,
+        epilog=_RUN_EPILOG,
     )
-    run.add_argument("file", metavar="FILE", help="the targets file, or - for stdin")
+    run.add_argument(
+        "file", metavar="FILE", help="the targets file, or - for stdin"
+    ).complete = _FILE  # type: ignore[attr-defined]
     run.add_argument(
         "--fetch",
         metavar="MODULE:CALLABLE",
@@ -678,31 +981,91 @@ def _parser() -> argparse.ArgumentParser:
         default="cli",
         help="who submits (idempotency and the per-caller cap are per caller; default: cli)",
     )
+    run.add_argument("--json", action="store_true", help="JSON lines on stdout even on a terminal")
+    run.add_argument(
+        "--output",
+        metavar="DIR",
+        default=None,
+        help="also write each result's content to a file per target in DIR",
+    ).complete = _DIR  # type: ignore[attr-defined]
     run.add_argument(
         "--no-progress", action="store_true", help="no progress bar, even on a terminal"
     )
     run.set_defaults(func=_cmd_run)
 
-    status = sub.add_parser("status", parents=[common], help="show a job and its targets")
+    status = _command(
+        sub,
+        "status",
+        "show a job and its targets; --watch follows it until it ends",
+        parents=[common],
+        description="Show a job (status, counts, caller, times) and a table of its targets.",
+        epilog=_STATUS_EPILOG,
+    )
     status.add_argument("id", metavar="ID")
     status.add_argument("--json", action="store_true", help="one JSON object")
+    status.add_argument(
+        "--watch", action="store_true", help="follow the job live until it has finished"
+    )
+    status.add_argument(
+        "--interval",
+        metavar="SECONDS",
+        type=_seconds,
+        default=0.5,
+        help="with --watch: seconds between reads (default 0.5)",
+    )
     status.set_defaults(func=_cmd_status)
 
-    cancel = sub.add_parser("cancel", parents=[common], help="cancel a live job")
+    cancel = _command(
+        sub,
+        "cancel",
+        "cancel a live job",
+        parents=[common],
+        description="Cancel a live job.",
+        epilog=_CANCEL_EPILOG,
+    )
     cancel.add_argument("id", metavar="ID")
     cancel.set_defaults(func=_cmd_cancel)
 
-    jobs = sub.add_parser("jobs", parents=[common], help="list jobs, newest first")
+    jobs = _command(
+        sub,
+        "jobs",
+        "list jobs, newest first",
+        parents=[common],
+        description="List the jobs whose lease holds, newest first.",
+        epilog=_JOBS_EPILOG,
+    )
     jobs.add_argument("--live", action="store_true", help="only queued or running jobs")
     jobs.add_argument("--caller", metavar="NAME", default=None, help="only this caller's")
-    jobs.add_argument("--limit", type=_positive, default=100, help="at most N (default 100)")
+    jobs.add_argument(
+        "--limit", metavar="N", type=_positive, default=100, help="at most N (default 100)"
+    )
     jobs.add_argument("--json", action="store_true", help="one JSON object a line")
     jobs.set_defaults(func=_cmd_jobs)
 
-    purge = sub.add_parser("purge", parents=[common], help="delete jobs whose lease lapsed")
+    purge = _command(
+        sub,
+        "purge",
+        "delete jobs whose lease lapsed",
+        parents=[common],
+        description="Delete the jobs whose lease lapsed, with their targets.",
+        epilog=_PURGE_EPILOG,
+    )
     purge.add_argument("--json", action="store_true", help='print {"purged": N}')
     purge.set_defaults(func=_cmd_purge)
-    _serve.add_parser(sub)
+
+    serve = _serve.add_parser(sub)
+    serve.formatter_class = argparse.RawDescriptionHelpFormatter
+    serve.epilog = _SERVE_EPILOG
+
+    completion = _command(
+        sub,
+        "completion",
+        "print a bash or zsh completion script",
+        description=_COMPLETION_DESCRIPTION,
+        epilog=_COMPLETION_EPILOG,
+    )
+    completion.add_argument("shell", metavar="SHELL", choices=("bash", "zsh"), help="bash or zsh")
+    completion.set_defaults(func=_cmd_completion)
     return parser
 
 

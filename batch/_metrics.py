@@ -87,7 +87,7 @@ def multiprocess_mode() -> bool:
 class RunnerMetrics:
     """The instruments, and the event subscriber that updates them.
 
-    One instance per registry and process (see :func:`instruments`); several runners may
+    One instance per registry and process (see ``instruments()``); several runners may
     feed it. Call it with events, or subscribe it with :meth:`attach`.
 
     Args:
@@ -324,9 +324,9 @@ def metrics(
 ) -> Blueprint:
     """A blueprint serving Prometheus metrics for ``runner`` at ``path``.
 
-    Subscribes the process's instruments (see :func:`instruments`) to the runner's
+    Subscribes the process's instruments (see ``instruments()``) to the runner's
     events. A scrape reports them (in multiprocess mode: every worker's, from
-    ``PROMETHEUS_MULTIPROC_DIR``) and the store's gauges (:class:`StoreCollector`).
+    ``PROMETHEUS_MULTIPROC_DIR``) and the store's gauges (``StoreCollector``).
     Content negotiation follows prometheus_client (OpenMetrics when asked for).
 
     Args:

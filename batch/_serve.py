@@ -20,7 +20,6 @@ from typing import Any
 
 import dcache
 
-from ._dashboard import dashboard
 from ._runner import Fetch, Runner
 
 __all__ = ["add_parser", "build_app", "main"]
@@ -95,6 +94,7 @@ def build_app(runner: Runner, port: int) -> Any:
     """
     from flask import Flask, Request, redirect
 
+    from ._dashboard import dashboard  # Flask and Jinja2: the [flask] extra, only here
     from .flask import init_app
 
     hosts = {f"{HOST}:{port}", f"localhost:{port}"}

@@ -5,7 +5,7 @@ a cancel, a reap, a store error) becomes one frozen event. The runner puts it on
 queue (a non-blocking put: bounded work on the emitting thread) and one dispatcher thread
 per runner hands it to each subscriber in turn. A subscriber that raises is logged and
 skipped; one that is slow delays only later events, never a drain or a request. When the
-queue is full, events are dropped and counted (:attr:`EventBus.dropped`) rather than
+queue is full, events are dropped and counted (``EventBus.dropped``) rather than
 stalling anybody.
 """
 
@@ -127,7 +127,9 @@ Event = (
     | JobsReaped
     | StoreFailed
 )
+"""Any one of the events above (a union of the event classes)."""
 Subscriber = Callable[[Event], object]
+"""The type of a subscriber, called with each event on the dispatcher thread (return ignored)."""
 
 _STOP = object()
 

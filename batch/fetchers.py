@@ -52,6 +52,7 @@ __all__ = [
 ]
 
 DEFAULT_MAX_BYTES = 4 * 1024 * 1024
+"""The default cap on a response body, in bytes (4 MiB); ``Fetcher(max_bytes=...)``."""
 _CHUNK = 64 * 1024
 _TEXT_TYPES = (
     "application/json",
@@ -501,7 +502,7 @@ class Fetcher:
 
     Refused addresses (:class:`BlockedAddressError`), HTTP errors (4xx, 5xx), timeouts,
     unreachable hosts, too many redirects, bodies over ``max_bytes`` and refused schemes
-    fail the target with a :class:`FetchError` and a hint.
+    fail the target with a :class:`~batch.FetchError` and a hint.
     """
 
     def __init__(
@@ -548,7 +549,7 @@ class Fetcher:
         )
 
     def check_url(self, url: str) -> None:
-        """Refuse early what this fetcher would surely refuse: raise :class:`FetchError`.
+        """Refuse early what this fetcher would surely refuse: raise :class:`~batch.FetchError`.
 
         Checks the scheme and a host spelled as a literal address (names are judged
         when connected). The HTTP API calls it to answer 422 before a job is made.
@@ -567,7 +568,7 @@ class Fetcher:
             self.guard.check_literal(host)
 
     def __call__(self, target: Target) -> Result:
-        """Fetch one target; raise :class:`FetchError` to fail it."""
+        """Fetch one target; raise :class:`~batch.FetchError` to fail it."""
         scheme = urlsplit(target.url).scheme.lower()
         if scheme not in self.schemes:
             self.check_url(target.url)  # raises, naming the refused scheme
@@ -866,4 +867,4 @@ def _decode(body: bytes, meta: dict[str, Any]) -> str:
 
 
 fetch: Fetcher = Fetcher()
-"""The default fetcher: http and https to public addresses; 30 s, 4 MiB, 5 redirects."""
+"""The default fetcher (http and https to public addresses; 30 s, 4 MiB, 5 redirects)."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import http.server
+import io
 import json
 import os
 import pty
@@ -775,3 +777,474 @@ def test_a_utf8_bom_is_not_part_of_the_first_url(env: dict[str, str], tmp_path: 
     )
     assert piped.returncode == 0, piped.stderr
     assert [t["url"] for t in lines(piped.stdout)] == ["test://c"]
+
+
+# -- made for people: tables on a terminal, --output, --watch, errors, completion, help -------
+
+
+class Pty:
+    """A child's terminal: stdout and stderr on one pseudo-terminal of a known size."""
+
+    def __init__(self, env: dict[str, str], *args: str, cols: int = 80) -> None:
+        import fcntl
+        import struct
+        import termios
+
+        self.main_fd, sub_fd = pty.openpty()
+        fcntl.ioctl(sub_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, cols, 0, 0))
+        env = {k: v for k, v in env.items() if k not in ("COLUMNS", "LINES")}
+        self.proc = spawn(env, *args, stdout=sub_fd, stderr=sub_fd)
+        os.close(sub_fd)
+        self.seen = ""
+
+    def read_until(self, text: str, timeout: float = 30.0) -> str:
+        """Read until ``text`` has appeared (or the child closed the terminal)."""
+        import select
+
+        raw = b""
+        deadline = time.monotonic() + timeout
+        while text not in self.seen:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"{text!r} not shown in time; saw {self.seen!r}")
+            ready, _, _ = select.select([self.main_fd], [], [], left)
+            if not ready:
+                continue
+            try:
+                chunk = os.read(self.main_fd, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                chunk = b""
+            if not chunk:
+                break
+            raw += chunk
+            self.seen += chunk.decode("utf-8", "replace").replace("\r\n", "\n")
+        return self.seen
+
+    def finish(self, timeout: float = 30.0) -> tuple[int, str]:
+        """Read to the end; the exit status and everything shown."""
+        self.read_until("\x00never\x00", timeout) if self.proc.poll() is None else None
+        code = self.proc.wait(timeout=timeout)
+        os.close(self.main_fd)
+        return code, self.seen
+
+
+@pytest.fixture
+def finish_pty() -> Iterator[list[Pty]]:
+    ptys: list[Pty] = []
+    yield ptys
+    for p in ptys:
+        if p.proc.poll() is None:
+            p.proc.kill()
+            p.proc.wait(10)
+
+
+def _shown(p: Pty) -> tuple[int, str]:
+    try:
+        return p.finish()
+    except AssertionError:
+        p.proc.kill()
+        raise
+
+
+def test_run_on_a_terminal_prints_a_table_cut_to_its_width(
+    env: dict[str, str], tmp_path: Path, finish_pty: list[Pty]
+) -> None:
+    """A person sees index, status, bytes, URL and error, one row each, within the width."""
+    long_url = "test://x/" + "long-segment/" * 12 + "end"
+    targets = write(tmp_path / "t.txt", "test://ok/1", "test://fail/2", long_url)
+    p = Pty(env, "run", "--fetch", "cli_fetch:counting", targets, cols=60)
+    finish_pty.append(p)
+    code, screen = _shown(p)
+    assert code == 1, screen
+    rows = [line for line in screen.splitlines() if not line.startswith("batch: ")]
+    header = next(i for i, line in enumerate(rows) if line.startswith("IDX"))
+    table = rows[header : header + 4]
+    assert table[0].split() == ["IDX", "STATUS", "BYTES", "URL", "ERROR"]
+    assert table[1].split()[:2] == ["0", "done"]
+    assert int(table[1].split()[2]) > 0  # the stored size, in bytes
+    assert table[2].split()[:3] == ["1", "failed", "-"]
+    assert "failed on purpose (hint: it is a test)"[:10] in table[2]
+    assert table[3].split()[:2] == ["2", "done"]
+    assert "…" in table[3]  # the long URL was cut, not wrapped
+    assert all(len(line) <= 60 for line in table), table
+    assert '"idx"' not in screen  # no JSON for people
+    assert "partial, 3/3 target(s) stored, 1 failed" in screen
+
+
+def test_run_piped_or_with_json_prints_the_same_json_lines(
+    env: dict[str, str], tmp_path: Path, finish_pty: list[Pty]
+) -> None:
+    """Scripts keep working: piped output is JSON lines, and --json gives them on a TTY."""
+    targets = write(tmp_path / "t.txt", "test://ok/1", "test://fail/2")
+    piped = cli(env, "run", "--fetch", "cli_fetch:counting", targets)
+    assert piped.returncode == 1
+    assert [t["status"] for t in lines(piped.stdout)] == ["done", "failed"]
+    assert lines(piped.stdout)[0]["result"] == {
+        "content": "content of test://ok/1",
+        "meta": {"len": 11},
+    }
+    # The same job again (reused), on a terminal with --json: the same lines, byte for byte.
+    p = Pty(env, "run", "--json", "--no-progress", "--fetch", "cli_fetch:counting", targets)
+    finish_pty.append(p)
+    code, screen = _shown(p)
+    assert code == 1
+    out = [line for line in screen.splitlines() if line.startswith("{")]
+    assert out == piped.stdout.splitlines()
+    assert "IDX" not in screen
+
+
+def test_run_output_writes_each_result_to_a_file_per_target(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """--output DIR: one file per stored result (binary decoded), none for a failed target."""
+    page = tmp_path / "page.html"
+    page.write_text("<p>caf\u00e9</p>\n", encoding="utf-8")
+    blob = tmp_path / "logo.png"
+    blob.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")
+    targets = write(
+        tmp_path / "t.txt", page.as_uri(), blob.as_uri(), (tmp_path / "missing").as_uri()
+    )
+    out_dir = tmp_path / "out" / "pages"
+    done = cli(env, "run", targets, "--output", str(out_dir))
+    assert done.returncode == 1, done.stderr
+    assert len(lines(done.stdout)) == 3  # piped: the JSON lines as ever
+    assert sorted(p.name for p in out_dir.iterdir()) == ["00-page.html", "01-logo.png.bin"]
+    assert (out_dir / "00-page.html").read_text(encoding="utf-8") == "<p>caf\u00e9</p>\n"
+    assert (out_dir / "01-logo.png.bin").read_bytes() == blob.read_bytes()
+    assert f"2 result file(s) in {out_dir}" in done.stderr
+    blocked = tmp_path / "file-not-dir"
+    blocked.write_text("")
+    refused = cli(env, "run", targets, "--output", str(blocked / "sub"))
+    assert refused.returncode == 2
+    assert "--output" in refused.stderr
+
+
+def _watched_job(env: dict[str, str]) -> Iterator[tuple[batch.Runner, Any, str]]:
+    from batch.testing import ScriptedFetch
+
+    fetch = ScriptedFetch()
+    gates = [fetch.gate("test://a"), fetch.gate("test://b")]
+    with dcache.DB.open(env["BATCH_DB"]) as db, batch.Runner(db, fetch) as runner:
+        try:
+            job_id, _ = runner.submit(
+                "web:alice", "web", [{"url": "test://a"}, {"url": "test://b"}]
+            )
+            gates[0].wait_entered()
+            yield runner, gates, job_id
+        finally:
+            fetch.release_all()
+
+
+def test_status_watch_redraws_the_table_on_a_terminal_until_the_job_ends(
+    env: dict[str, str], finish_pty: list[Pty]
+) -> None:
+    """--watch follows a job drained elsewhere, redrawing in place, and exits 0 when done."""
+    for runner, gates, job_id in _watched_job(env):
+        p = Pty(env, "status", job_id, "--watch", "--interval", "0.05", cols=100)
+        finish_pty.append(p)
+        p.read_until("0/2 target(s)")
+        assert "running" in p.seen
+        gates[0].open()
+        p.read_until("1/2 target(s)")
+        gates[1].open()
+        code, screen = _shown(p)
+        assert code == 0, screen
+        assert "done, 2/2 target(s) stored" in screen
+        assert "\x1b[J" in screen  # cleared and redrawn in place, not scrolled
+        redraws = screen.count("\x1b[J")
+        assert redraws >= 3
+        up = f"\x1b[{2 + 1 + 2}F"  # header (2 lines) + table header + 2 targets
+        assert up in screen
+        assert runner.job(job_id) is not None
+
+
+def test_status_watch_piped_prints_a_line_per_change_then_the_table(
+    env: dict[str, str],
+) -> None:
+    """Piped, --watch prints one summary line per change and the final table; --json one
+    object per change, results left out and their sizes given."""
+    import queue
+
+    for json_mode in (False, True):
+        env_i = dict(env)
+        env_i["BATCH_DB"] = env["BATCH_DB"].replace(".sqlite3", f"-{json_mode}.sqlite3")
+        for _runner, gates, job_id in _watched_job(env_i):
+            extra = ["--json"] if json_mode else []
+            proc = spawn(env_i, "status", job_id, "--watch", "--interval", "0.05", *extra)
+            got: queue.Queue[str] = queue.Queue()
+            assert proc.stdout is not None
+            reader = threading.Thread(
+                target=lambda: [got.put(line) for line in proc.stdout], daemon=True
+            )
+            reader.start()
+            try:
+                first = got.get(timeout=30)
+                gates[0].open()
+                second = got.get(timeout=30)
+                gates[1].open()
+                assert proc.wait(timeout=30) == 0
+                reader.join(10)
+            finally:
+                proc.kill()
+            rest = []
+            while not got.empty():
+                rest.append(got.get())
+            if json_mode:
+                states = [json.loads(x) for x in [first, second, *rest]]
+                assert states[0]["job"]["status"] == "running"
+                assert states[0]["targets"][0]["status"] == "running"
+                assert states[-1]["job"]["status"] == "done"
+                assert all(t["result"] is None for t in states[-1]["targets"])
+                assert states[-1]["targets"][0]["bytes"] > 0
+            else:
+                assert first.startswith(f"job {job_id}: running, 0/2")
+                assert second.startswith(f"job {job_id}: running, 1/2")
+                text = "".join(rest)
+                assert f"job {job_id}: done, 2/2" in text
+                assert "IDX  STATUS  BYTES  URL" in text
+
+
+def test_read_only_commands_open_the_store_not_a_runner(env: dict[str, str]) -> None:
+    """status, jobs and cancel register no owner and reap nobody's jobs (a Runner would)."""
+    with dcache.DB.open(env["BATCH_DB"]) as db:
+        ids = []
+        for name in ("one", "two"):
+            outcome = db.submit(
+                job_id=batch.new_job_id(),
+                caller=f"web:{name}",
+                caller_class="web",
+                idem_key=name,
+                targets=[dcache.NewTarget("test://a")],
+                ttl=dt.timedelta(hours=1),
+                jobs_per_caller=1,
+                jobs_total=8,
+                owner="ghost-owner-without-a-heartbeat-row",
+            )
+            ids.append(outcome.job.id)
+        for args in (
+            ["status", ids[0]],
+            ["status", ids[0], "--json"],
+            ["jobs"],
+            ["jobs", "--live", "--json"],
+            ["cancel", ids[0]],
+        ):
+            done = cli(env, *args)
+            assert done.returncode == 0, (args, done.stderr)
+        assert [o for o in db.owners() if o.present] == []  # no owner row registered
+        assert [getattr(db.get_job(i), "status", None) for i in ids] == ["cancelled", "running"]
+        # What a Runner does on start, for contrast: it registers itself as an owner.
+        with batch.Runner(db, lambda t: batch.Result("x")):
+            assert [o for o in db.owners() if o.present] != []
+
+
+def test_read_only_commands_build_no_runner(
+    env: dict[str, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In-process, a spy on Runner.__init__ sees no runner built by status, jobs, cancel."""
+    built: list[object] = []
+    real_init = batch.Runner.__init__
+
+    def spy(self: batch.Runner, *args: Any, **kw: Any) -> None:
+        built.append(self)
+        real_init(self, *args, **kw)
+
+    monkeypatch.setenv("BATCH_DB", env["BATCH_DB"])
+    with dcache.DB.open(env["BATCH_DB"]) as db, batch.Runner(db, lambda t: batch.Result("x")) as r:
+        job_id, _ = r.submit("web:a", "web", [{"url": "test://a"}])
+        r.wait(job_id, timeout=10)
+    monkeypatch.setattr(batch.Runner, "__init__", spy)
+    for args in (["status", job_id], ["status", job_id, "--watch"], ["jobs"], ["cancel", job_id]):
+        _cli.main(args)
+    assert built == []
+    assert "already done" in capsys.readouterr().err
+    monkeypatch.syspath_prepend(str(DATA))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"test://b\n")))
+    assert _cli.main(["run", "--fetch", "cli_fetch:counting", "-"]) == 0
+    assert len(built) == 1  # run drains: it does build one
+
+
+def test_a_busy_caller_is_told_which_job_holds_the_cap_and_until_when(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """The message names the job at the cap, its lease end, and the commands that help."""
+    fetch = _Blocking()
+    with dcache.DB.open(env["BATCH_DB"]) as db, batch.Runner(db, fetch) as runner:
+        try:
+            holder, _ = runner.submit("cli", "cli", [{"url": "test://a"}])
+            job = runner.job(holder)
+            assert job is not None and job.expires_at is not None
+            targets = write(tmp_path / "t.txt", "test://other")
+            busy = cli(env, "run", "--fetch", "cli_fetch:counting", targets)
+            assert busy.returncode == 75, busy.stderr
+            assert "caller 'cli' is busy" in busy.stderr
+            assert f"job {holder} is running (0/1 target(s) stored" in busy.stderr
+            assert "lease until " + job.expires_at.strftime("%Y-%m-%d") in busy.stderr
+            assert f"batch status --watch {holder}" in busy.stderr
+            assert f"batch cancel {holder}" in busy.stderr
+            assert "Traceback" not in busy.stderr
+        finally:
+            fetch.gate.set()
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_an_unreachable_database_names_the_url_and_what_to_check(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """Which URL (password hidden), why, and what to check; exit 75 when worth a retry."""
+    port = _closed_port()
+    url = f"postgresql+psycopg://someone:Pw-secret@127.0.0.1:{port}/nothing"
+    for args in (["jobs"], ["status", "f" * 32], ["cancel", "f" * 32], ["run", "-"]):
+        done = cli(env, *args, "--db", url, stdin="test://a\n")
+        assert done.returncode == 75, done.stderr
+        (line,) = done.stderr.strip().splitlines()
+        assert (
+            f"cannot reach the database postgresql+psycopg://someone:***@127.0.0.1:{port}/nothing"
+        )
+        assert f"postgresql+psycopg://someone:***@127.0.0.1:{port}/nothing" in line
+        assert (
+            f"check that a PostgreSQL server is running and accepts connections on 127.0.0.1:{port}"
+            in line
+        )
+        assert "Pw-secret" not in line
+    mysql = cli(env, "jobs", "--db", f"mysql+pymysql://root:Pw-secret@127.0.0.1:{port}/x")
+    assert mysql.returncode == 75
+    assert (
+        f"MySQL/MariaDB server is running and accepts connections on 127.0.0.1:{port}"
+        in mysql.stderr
+    )
+    sqlite = cli(env, "jobs", "--db", f"sqlite:///{tmp_path}/no/such/folder/x.sqlite3")
+    assert sqlite.returncode != 0
+    assert f"check that the folder '{tmp_path}/no/such/folder' exists" in sqlite.stderr
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "mariadb"])
+def test_a_missing_database_on_a_live_server_says_to_create_it(
+    env: dict[str, str], backend: str
+) -> None:
+    """A server that answers but lacks the database: the message says which name to create."""
+    base = SERVER_URLS[backend]
+    scheme_host, _, rest = base.rpartition("/")
+    query = "?" + rest.split("?", 1)[1] if "?" in rest else ""
+    url = f"{scheme_host}/no_such_db_for_batch_cli{query}"
+    done = cli(env, "jobs", "--db", url)
+    assert done.returncode != 0
+    assert "check the database name 'no_such_db_for_batch_cli' (create it first)" in done.stderr
+
+
+def test_completion_scripts_are_generated_and_valid(tmp_path: Path) -> None:
+    """bash and zsh scripts come from the parser, parse cleanly, and complete commands."""
+    import shutil
+
+    scripts = {}
+    for shell in ("bash", "zsh"):
+        done = subprocess.run(
+            [sys.executable, "-m", "batch", "completion", shell],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        scripts[shell] = tmp_path / f"batch.{shell}"
+        scripts[shell].write_text(done.stdout)
+        assert "--watch" in done.stdout
+        assert "--output" in done.stdout
+    check = subprocess.run(["bash", "-n", str(scripts["bash"])], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    probe = (
+        f"source {scripts['bash']}; "
+        'COMP_WORDS=(batch st); COMP_CWORD=1; _shtab_batch; echo "${COMPREPLY[*]}"; '
+        'COMP_WORDS=(batch run --ou); COMP_CWORD=2; _shtab_batch; echo "${COMPREPLY[*]}"; '
+        'COMP_WORDS=(batch completion ""); COMP_CWORD=2; _shtab_batch; echo "${COMPREPLY[*]}"'
+    )
+    done = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, timeout=30)
+    assert done.stdout.splitlines() == ["status", "--output", "bash zsh"], done.stderr
+    if shutil.which("zsh") is None:
+        if os.environ.get("CI"):
+            pytest.fail("zsh is not installed (apt-get install zsh)")
+        pytest.skip("zsh is not installed")
+    check = subprocess.run(["zsh", "-n", str(scripts["zsh"])], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    assert "#compdef batch" in scripts["zsh"].read_text()
+
+
+@pytest.mark.parametrize(
+    "command", ["run", "status", "cancel", "jobs", "purge", "serve", "completion"]
+)
+def test_every_command_has_help_with_examples(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`batch COMMAND --help` reads like a man page: what it does, then examples."""
+    assert _cli.main([command, "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "examples:" in text
+    examples = text.split("examples:", 1)[1]
+    assert f"batch {command}" in examples
+    assert _cli.main(["--help"]) == 0
+    top = capsys.readouterr().out
+    for heading in ("commands:", "environment:", "exit statuses:", "examples:"):
+        assert heading in top
+
+
+def test_tables_show_stored_text_inert_and_within_the_width() -> None:
+    """Escape sequences in stored text cannot drive the terminal; wide characters count
+    two columns."""
+    from batch import _cli_show
+
+    hostile = batch.TargetStatus(
+        idx=0,
+        url="test://\x1b]0;owned\x07/\u5b57\u5b57\u5b57\u5b57\u5b57\u5b57\u5b57\u5b57",
+        status="failed",
+        result=None,
+        error="boom\x1b[2J\nsecond line\u200b",
+        hint="",
+    )
+    for width in (30, 50, 200):
+        rows = _cli_show.target_rows([hostile], width)
+        assert all("\x1b" not in row and "\x07" not in row and "\n" not in row for row in rows)
+        assert all(_cli_show.display_width(row) <= max(width, 30) for row in rows), rows
+    wide = _cli_show.target_rows([hostile], 200)[1]
+    assert "\\x1b]0;owned\\x07" in wide
+    assert "boom\\x1b[2J second line" in wide
+    assert _cli_show.fit("\u5b57" * 10, 7) == "\u5b57" * 3 + "…"
+
+
+def test_the_cli_runs_without_the_optional_extras(tmp_path: Path) -> None:
+    """The README's first command runs on `pip install -e .` alone: no Flask, Jinja2, tqdm
+    or shtab is imported unless the command needs it."""
+    code = (
+        "import sys\n"
+        "for name in ('flask', 'jinja2', 'werkzeug', 'tqdm', 'shtab', 'prometheus_client'):\n"
+        "    sys.modules[name] = None  # importing it now raises ImportError\n"
+        "from batch._cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    data = Path(__file__).parent / "data" / "offline.txt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCH_")}
+    env["BATCH_DB"] = f"sqlite:///{tmp_path / 'fresh.sqlite3'}"
+    done = subprocess.run(
+        [sys.executable, "-c", code, "run", str(data)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=Path(__file__).parent.parent,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert all(t["status"] == "done" for t in lines(done.stdout))
+    completion = subprocess.run(
+        [sys.executable, "-c", code, "completion", "bash"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+    assert completion.returncode == 2
+    assert "pip install 'batch-dcache[cli]'" in completion.stderr
