@@ -55,7 +55,7 @@ napoleon_use_rtype = False
 nitpick_ignore_regex = [
     (r"py:.*", r"(datetime|threading|logging|collections|typing|types|re|os|ssl|socket)\..*"),
     (r"py:.*", r"(sqlalchemy|flask|werkzeug|prometheus_client|attrs|attr|pytest|_pytest)\..*"),
-    (r"py:.*", r"(ipaddress|urllib|http|email|json|queue|concurrent|enum|pathlib)\..*"),
+    (r"py:.*", r"(ipaddress|urllib|http|email|json|queue|concurrent|enum|pathlib|sqlite3)\..*"),
     (r"py:class", r"(Engine|Connection|Request|Response|Flask|Blueprint|Logger|Event)"),
     (r"py:class", r"(P|R|T|_R|ParamSpec|TypeVar|Literal|Any|Callable|Iterator|Sequence)"),
     (r"py:class", r"(Mapping|Iterable|Self|TypeAlias|IPv4Address|IPv6Address)"),
