@@ -50,7 +50,7 @@ PREVIEW_BYTES = 4096
 """How much of a result's content the preview shows by default, in bytes."""
 MAX_PREVIEW_BYTES = 65536
 
-STATUSES = ("queued", "running", "done", "failed", "partial", "cancelled")
+STATUSES = dcache.JOB_STATUSES
 _CSRF_COOKIE = "batch_dashboard_csrf"
 _MAX_ID = 64
 _HERE = Path(__file__).parent

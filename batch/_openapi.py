@@ -8,13 +8,15 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import dcache
+
 from ._values import MAX_OPTION_LENGTH, MAX_URL_LENGTH
 
 __all__ = ["document"]
 
 _REF = "#/components/schemas/"
-_JOB_STATUSES = ["queued", "running", "done", "failed", "partial", "cancelled"]
-_TARGET_STATUSES = ["pending", "running", "done", "failed"]
+_JOB_STATUSES = list(dcache.JOB_STATUSES)
+_TARGET_STATUSES = list(dcache.TARGET_STATUSES)
 _ERROR_TYPES = (
     "bad_request, invalid_parameter, invalid_idempotency_key, unauthorized, not_found, "
     "method_not_allowed, job_finished, payload_too_large, unsupported_media_type, "

@@ -10,6 +10,8 @@ from typing import Any, TypeVar
 
 import attrs
 
+from dcache import TERMINAL
+
 from ._errors import InvalidTargetsError
 
 __all__ = [
@@ -289,7 +291,7 @@ class Job:
     @property
     def terminal(self) -> bool:
         """Whether the status is final (done, failed, partial or cancelled)."""
-        return self.status in ("done", "failed", "partial", "cancelled")
+        return self.status in TERMINAL
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict, timestamps as ISO 8601 strings."""

@@ -24,12 +24,14 @@ from ._rows import (
     TargetRow,
     WriteOutcome,
 )
-from ._schema import LIVE, SCHEMA_VERSION, TERMINAL
+from ._schema import JOB_STATUSES, LIVE, SCHEMA_VERSION, TARGET_STATUSES, TERMINAL, Status
 
 __all__ = [
     "DB",
+    "JOB_STATUSES",
     "LIVE",
     "SCHEMA_VERSION",
+    "TARGET_STATUSES",
     "TERMINAL",
     "JobRow",
     "Lookup",
@@ -38,6 +40,7 @@ __all__ = [
     "PoolExhaustedError",
     "ResultTooLargeError",
     "SchemaVersionError",
+    "Status",
     "StoreError",
     "StoreUnavailableError",
     "SubmitOutcome",

@@ -55,6 +55,7 @@ from ._schema import (
     LIVE,
     NOPAD_COLLATIONS,
     SCHEMA_VERSION,
+    Status,
     UTCDateTime,
     jobs,
     locks,
@@ -70,6 +71,8 @@ from ._writer import GroupWriter
 __all__ = ["DB", "Writer", "utcnow"]
 
 log = logging.getLogger("dcache")
+
+CANCELLED = Status.CANCELLED.value
 
 DEFAULT_URL = "sqlite:///dcache.sqlite3"
 TOMBSTONE_TTL = dt.timedelta(days=7)  # how long a purged job's id still answers "expired"
@@ -212,7 +215,7 @@ _LIVE_IN = jobs.c.status.in_([literal_column(f"'{s}'") for s in LIVE])
 
 
 # Jobs a drain may still be working on: live, or cancelled with the drain not yet ended.
-_UNFINISHED = or_(_LIVE_IN, and_(jobs.c.status == "cancelled", jobs.c.finished_at.is_(None)))
+_UNFINISHED = or_(_LIVE_IN, and_(jobs.c.status == CANCELLED, jobs.c.finished_at.is_(None)))
 
 
 def _visible(now: Any) -> Any:
@@ -737,7 +740,7 @@ class DB(AdminQueries):
             "caller": caller,
             "caller_class": caller_class,
             "idem_key": idem_key,
-            "status": "running",
+            "status": Status.RUNNING.value,
             "error": "",
             "targets_total": len(new_targets),
             "targets_done": 0,
@@ -759,7 +762,7 @@ class DB(AdminQueries):
                     "idx": i,
                     "url": t.url,
                     "options": t.options,
-                    "status": "pending",
+                    "status": Status.PENDING.value,
                     "result": None,
                     "error": "",
                     "hint": "",
@@ -970,7 +973,7 @@ class DB(AdminQueries):
         Writes of concurrent drains are committed together (group commit, see
         ``dcache._writer``); this returns once this write is committed.
         """
-        if status not in ("done", "failed"):
+        if status not in (Status.DONE, Status.FAILED):
             raise ValueError(f"a target is written done or failed, not {status!r}")
         self._check_size(result, error, hint, job_id)
         return self._group.write(
@@ -1003,7 +1006,7 @@ class DB(AdminQueries):
             won = conn.execute(
                 update(jobs)
                 .where(jobs.c.id == job_id, jobs.c.status.in_(LIVE))
-                .values(status="cancelled", updated_at=now, expires_at=now + ttl)
+                .values(status=CANCELLED, updated_at=now, expires_at=now + ttl)
             ).rowcount
         return bool(won == 1)
 
@@ -1042,7 +1045,7 @@ class DB(AdminQueries):
         release_key: bool = False,
     ) -> bool:
         values: dict[str, Any] = {
-            "status": "failed",
+            "status": Status.FAILED.value,
             "error": reason,
             "updated_at": now,
             "expires_at": now + ttl,
@@ -1100,7 +1103,7 @@ class DB(AdminQueries):
                 .where(
                     or_(
                         jobs.c.status.in_(LIVE),
-                        and_(jobs.c.status == "cancelled", jobs.c.finished_at.is_(None)),
+                        and_(jobs.c.status == CANCELLED, jobs.c.finished_at.is_(None)),
                     )
                 )
                 .order_by(jobs.c.id)
@@ -1250,7 +1253,7 @@ class DB(AdminQueries):
                 .where(
                     or_(
                         jobs.c.status.in_(LIVE),
-                        and_(jobs.c.status == "cancelled", jobs.c.finished_at.is_(None)),
+                        and_(jobs.c.status == CANCELLED, jobs.c.finished_at.is_(None)),
                     ),
                     or_(owners.c.owner.is_(None), dead),
                 )

@@ -7,6 +7,8 @@ from typing import Literal
 
 import attrs
 
+from ._schema import LIVE
+
 __all__ = [
     "JobRow",
     "Lookup",
@@ -93,7 +95,7 @@ class WriteOutcome:
     @property
     def running(self) -> bool:
         """Whether the drain should go on to the next target."""
-        return self.status in ("queued", "running")
+        return self.status in LIVE
 
 
 @attrs.frozen

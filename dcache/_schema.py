@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import enum
 import re
 from typing import Any
 
@@ -27,11 +28,14 @@ from sqlalchemy.sql.functions import FunctionElement
 from sqlalchemy.types import TypeDecorator, TypeEngine
 
 __all__ = [
+    "JOB_STATUSES",
     "KEY",
     "LIVE",
     "NOPAD_COLLATIONS",
     "SCHEMA_VERSION",
+    "TARGET_STATUSES",
     "TERMINAL",
+    "Status",
     "UTCDateTime",
     "jobs",
     "locks",
@@ -46,9 +50,40 @@ __all__ = [
 # 2: batch_owner.beats (added in place to version-1 tables; see DB._migrate).
 SCHEMA_VERSION = 2
 
-# Job statuses. "Live" is by status, never by lease.
-LIVE = ("queued", "running")
-TERMINAL = ("done", "failed", "partial", "cancelled")
+
+class Status(str, enum.Enum):
+    """Every status a job or a target can have: the one spelling of each.
+
+    Jobs are ``queued``, ``running``, ``done``, ``failed``, ``partial`` or ``cancelled``
+    (:data:`JOB_STATUSES`); stored targets are ``pending``, ``done`` or ``failed``, and
+    the HTTP API and the runner show the target in flight as ``running``
+    (:data:`TARGET_STATUSES`). Rows hold the plain strings (``Status.DONE.value``); a
+    member compares equal to its string.
+    """
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    PARTIAL = "partial"
+    CANCELLED = "cancelled"
+    PENDING = "pending"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def _values(*members: Status) -> tuple[str, ...]:
+    return tuple(m.value for m in members)
+
+
+JOB_STATUSES = _values(
+    Status.QUEUED, Status.RUNNING, Status.DONE, Status.FAILED, Status.PARTIAL, Status.CANCELLED
+)
+TARGET_STATUSES = _values(Status.PENDING, Status.RUNNING, Status.DONE, Status.FAILED)
+# "Live" is by status, never by lease.
+LIVE = _values(Status.QUEUED, Status.RUNNING)
+TERMINAL = _values(Status.DONE, Status.FAILED, Status.PARTIAL, Status.CANCELLED)
 
 # Key columns are VARCHAR(191) at most: 191 * 4 bytes (utf8mb4) stays within the
 # 767-byte index prefix limit of older InnoDB row formats, so composite keys fit too.

@@ -1099,3 +1099,30 @@ def test_a_version_1_database_is_migrated_in_place_and_keeps_its_jobs(db: DB) ->
     finally:
         if again is not db:
             again.close()
+
+
+def test_every_status_is_spelled_once_by_the_status_enum(db: DB) -> None:
+    """The store writes, the values report and the OpenAPI document allow one set of names."""
+    from batch._openapi import document
+
+    assert dcache.JOB_STATUSES == ("queued", "running", "done", "failed", "partial", "cancelled")
+    every = set(dcache.TARGET_STATUSES) | set(dcache.JOB_STATUSES)
+    assert every == {s.value for s in dcache.Status}
+    assert dcache.Status.DONE == "done" and str(dcache.Status.CANCELLED) == "cancelled"
+    schemas = document()["components"]["schemas"]
+    assert schemas["Job"]["properties"]["status"]["enum"] == list(dcache.JOB_STATUSES)
+    assert schemas["TargetStatus"]["properties"]["status"]["enum"] == list(dcache.TARGET_STATUSES)
+    # Drive jobs through every stored status and read back what the rows hold.
+    ended = submit(db, n=2).job
+    assert ended is not None
+    db.write_target(ended.id, 0, status="done", result="{}", ttl=TTL, now=T0)
+    db.write_target(ended.id, 1, status="failed", error="boom", ttl=TTL, now=T0)
+    cancelled = submit(db).job
+    assert cancelled is not None and db.cancel(cancelled.id, now=T0)
+    failed = submit(db).job
+    assert failed is not None and db.fail_job(failed.id, "gone", now=T0)
+    with db.engine.connect() as conn:
+        job_rows = set(conn.execute(select(dcache._schema.jobs.c.status)).scalars())
+        target_rows = set(conn.execute(select(dcache._schema.targets.c.status)).scalars())
+    assert job_rows == {"partial", "cancelled", "failed"} <= set(dcache.JOB_STATUSES)
+    assert target_rows == {"done", "failed", "pending"} <= set(dcache.TARGET_STATUSES)
