@@ -37,6 +37,7 @@ from sqlalchemy.engine.base import OptionEngine
 from sqlalchemy.pool import NullPool, Pool, QueuePool
 from sqlalchemy.schema import CreateColumn
 
+from . import _sql as sql
 from ._admin import AdminQueries
 from ._engine import WRITE_OPTION, prepare_engine
 from ._errors import ResultTooLargeError, SchemaVersionError, StoreError, wrap_errors
@@ -77,7 +78,6 @@ CANCELLED = Status.CANCELLED.value
 DEFAULT_URL = "sqlite:///dcache.sqlite3"
 TOMBSTONE_TTL = dt.timedelta(days=7)  # how long a purged job's id still answers "expired"
 _WRITE = WRITE_OPTION
-_SYNCHRONOUS = ("OFF", "NORMAL", "FULL", "EXTRA")
 _US = dt.timedelta(microseconds=1)
 
 
@@ -351,8 +351,8 @@ class DB(AdminQueries):
                 (``connect_args`` are merged with the store's).
         """
         sync = synchronous.upper()
-        if sync not in _SYNCHRONOUS:
-            raise ValueError(f"synchronous must be one of {_SYNCHRONOUS}, not {synchronous!r}")
+        if sync not in sql.SYNCHRONOUS:
+            raise ValueError(f"synchronous must be one of {sql.SYNCHRONOUS}, not {synchronous!r}")
         io_timeout = _check_io_timeout(io_timeout)
         u = make_url(url)
         try:
@@ -439,7 +439,7 @@ class DB(AdminQueries):
     def _read_limits(self) -> None:
         if self.dialect in ("mysql", "mariadb"):
             with self._engine.connect() as conn:
-                packet = int(conn.execute(text("SELECT @@max_allowed_packet")).scalar_one())
+                packet = int(conn.execute(text(sql.MYSQL_MAX_PACKET)).scalar_one())
             self._result_room = max(0, packet - _SQL_ROOM)
             self._escapes = True
         elif self.dialect == "sqlite":
@@ -571,10 +571,7 @@ class DB(AdminQueries):
         """
         have = set(
             conn.execute(
-                text(
-                    "SELECT COLLATION_NAME FROM information_schema.COLLATIONS "
-                    "WHERE COLLATION_NAME IN :names"
-                ).bindparams(bindparam("names", expanding=True)),
+                text(sql.MYSQL_COLLATIONS).bindparams(bindparam("names", expanding=True)),
                 {"names": list(NOPAD_COLLATIONS)},
             ).scalars()
         )
@@ -599,7 +596,7 @@ class DB(AdminQueries):
                     continue
                 ddl = CreateColumn(column).compile(dialect=conn.dialect)
                 log.warning("adding column %s.%s to an older schema", table.name, column.name)
-                conn.execute(text(f"ALTER TABLE {table.name} ADD COLUMN {ddl}"))
+                conn.execute(text(sql.add_column(table.name, str(ddl))))
             indexed = {i["name"] for i in inspector.get_indexes(table.name)}
             for index in table.indexes:
                 if index.name not in indexed:

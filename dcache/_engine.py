@@ -38,6 +38,7 @@ import stamina
 from sqlalchemy import Connection, Engine, event
 from sqlalchemy.engine import ExceptionContext
 
+from . import _sql as sql
 from ._errors import is_sqlite_busy
 
 __all__ = ["WRITE_OPTION", "prepare_engine"]
@@ -208,8 +209,11 @@ def _install_sqlite_hooks(engine: Engine, *, synchronous: str, busy_timeout: flo
         dbapi_conn.isolation_level = None
         cur = dbapi_conn.cursor()
         try:
-            cur.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
-            mode = cur.execute("PRAGMA journal_mode").fetchone()[0]
+            wait, durability, foreign_keys = sql.sqlite_pragmas(
+                busy_timeout=busy_timeout, synchronous=synchronous
+            )
+            cur.execute(wait)
+            mode = cur.execute(sql.SQLITE_JOURNAL_MODE).fetchone()[0]
             if str(mode).lower() not in ("memory", "wal"):
                 # Switching a new file to WAL needs an exclusive lock and can report
                 # "database is locked" at once, without the busy handler, while another
@@ -222,9 +226,9 @@ def _install_sqlite_hooks(engine: Engine, *, synchronous: str, busy_timeout: flo
                     wait_max=0.25,
                 ):
                     with attempt:
-                        cur.execute("PRAGMA journal_mode = WAL")
-            cur.execute(f"PRAGMA synchronous = {synchronous}")
-            cur.execute("PRAGMA foreign_keys = ON")
+                        cur.execute(sql.SQLITE_WAL)
+            cur.execute(durability)
+            cur.execute(foreign_keys)
         finally:
             cur.close()
 
@@ -235,7 +239,7 @@ def _install_sqlite_hooks(engine: Engine, *, synchronous: str, busy_timeout: flo
             # A caller-made engine whose connections predate our "connect" hook.
             dbapi_conn.isolation_level = None
         write = conn.get_execution_options().get(WRITE_OPTION, False)
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+        conn.exec_driver_sql(sql.SQLITE_BEGIN_WRITE if write else sql.SQLITE_BEGIN)
 
 
 def _sqlite_begin_marker(conn: Connection) -> None:

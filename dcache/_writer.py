@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection, and_, bindparam, case, func, literal, not_, or_, select, update
 from sqlalchemy import exc as sa_exc
 
+from . import _sql
 from ._errors import StoreError, translate
 from ._prepared import Prepared
 from ._rows import WriteOutcome
@@ -280,14 +281,14 @@ class GroupWriter:
 
         try:
             if self._sqlite:
-                sql = "BEGIN IMMEDIATE"  # as the engine's "begin" hook does for writes
+                sql = _sql.SQLITE_BEGIN_WRITE  # as the engine's "begin" hook does for writes
                 cursor.execute(sql)
             answers = []
             for outcome in pending:
                 self._current = outcome
                 answers.append(self._apply(run, outcome.values))
             self._current = None  # a failure past here is the COMMIT's: the batch's
-            sql = "COMMIT"
+            sql = _sql.SQLITE_COMMIT
             if self._sqlite:
                 cursor.execute(sql)
             else:
@@ -296,7 +297,7 @@ class GroupWriter:
         except Exception as exc:
             with contextlib.suppress(Exception):
                 if self._sqlite:
-                    cursor.execute("ROLLBACK")
+                    cursor.execute(_sql.SQLITE_ROLLBACK)
                 else:
                     dbapi.rollback()
             raise _as_sqlalchemy(conn, exc, sql, cursor) from exc
