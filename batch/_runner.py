@@ -114,6 +114,9 @@ class _Unresolved:
     items: list[Target]
     since: float  # monotonic
     misses: int = 0  # lookups that found no job
+    # True while the submitting thread is still at work on it (waiting for the store's
+    # reply, starting the drain): until then it is the submit's to settle, not ours.
+    submitting: bool = True
 
 
 def _job(row: JobRow) -> Job:
@@ -381,8 +384,40 @@ class Runner:
         # Until its drain has started, the job may exist with none: if the submit raises
         # after its COMMIT reached the server (the reply lost, an interrupt), the
         # maintenance thread looks the id up and drains or ends the job.
+        entry = _Unresolved(items, self._mono())
         with self._lock:
-            self._unresolved[job_id] = _Unresolved(items, self._mono())
+            self._unresolved[job_id] = entry
+        try:
+            return self._submit_new(
+                job_id,
+                entry,
+                caller=caller,
+                caller_class=caller_class,
+                key=key,
+                canon=canon,
+                payload=payload,
+                idempotency_key=idempotency_key,
+                now=now,
+            )
+        finally:
+            entry.submitting = False  # if it is still unresolved, maintenance settles it
+
+    def _submit_new(
+        self,
+        job_id: str,
+        entry: _Unresolved,
+        *,
+        caller: str,
+        caller_class: str,
+        key: str,
+        canon: str,
+        payload: str,
+        idempotency_key: str | None,
+        now: dt.datetime,
+    ) -> tuple[JobRow, bool]:
+        """Submit a new job (``_submit``'s second half); ``entry`` marks it unresolved."""
+        cfg = self._config
+        items = entry.items
         outcome = self._db.submit(
             job_id=job_id,
             caller=caller,
@@ -504,7 +539,11 @@ class Runner:
     def _resolve_unresolved(self) -> None:
         """Settle submissions that may have left a job without a drain (see submit)."""
         with self._lock:
-            pending = [(k, v) for k, v in self._unresolved.items() if k not in self._drains]
+            pending = [
+                (k, v)
+                for k, v in self._unresolved.items()
+                if k not in self._drains and not v.submitting
+            ]
         window = self._stale_after.total_seconds()
         for job_id, entry in pending:
             try:

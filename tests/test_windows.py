@@ -38,9 +38,14 @@ class FlakyDB(dcache.DB):
     lose_submit_reply = 0  # submits whose reply is "lost" after their COMMIT
     refuse: frozenset[str] = frozenset()  # methods that raise StoreUnavailableError
     refuse_writes = False  # the drain's per-target writes raise
+    hold_submit_reply: threading.Event | None = None  # a slow reply: wait for it after COMMIT
+    submit_committed = threading.Event()
 
     def submit(self, **kw: Any) -> dcache.SubmitOutcome:
         out = super().submit(**kw)
+        if self.hold_submit_reply is not None:
+            self.submit_committed.set()
+            self.hold_submit_reply.wait(WAIT)
         if self.lose_submit_reply:
             self.lose_submit_reply -= 1
             raise StoreUnavailableError("connection lost after COMMIT (reply lost)")
@@ -119,6 +124,36 @@ def test_a_submit_whose_commit_reply_is_lost_still_gets_its_job_drained(
         # The client's retry of the same submission is handed that job, finished.
         assert runner.submit("alice", "free", urls("a", "b")) == (job.id, True)
     one_fetch_each(fetch, "a", "b")
+
+
+def test_a_slow_submit_reply_is_left_to_its_submit_not_taken_for_a_lost_one(
+    flaky: FlakyDB, fetch: FakeFetch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Maintenance passes while a healthy submit waits for its reply: they leave it alone.
+
+    The submit starts the drain itself once the reply comes; the maintenance thread
+    neither starts it first nor warns that a committed job was left undrained.
+    """
+    flaky.hold_submit_reply = threading.Event()
+    flaky.submit_committed = threading.Event()
+    seen: list[batch.events.Event] = []
+    with batch.Runner(flaky, fetch, FAST, observers=[seen.append]) as runner:
+        done: list[tuple[str, bool]] = []
+        t = threading.Thread(target=lambda: done.append(runner.submit("alice", "free", urls("a"))))
+        t.start()
+        assert flaky.submit_committed.wait(WAIT)
+        time.sleep(20 * FAST.heartbeat.total_seconds())  # many maintenance passes
+        assert not fetch.calls, "maintenance started the drain of a submit still in progress"
+        flaky.hold_submit_reply.set()
+        t.join(WAIT)
+        [(job_id, reused)] = done
+        assert not reused
+        final = runner.wait(job_id, timeout=WAIT)
+        assert final is not None and final.status == "done"
+    one_fetch_each(fetch, "a")
+    assert not [r for r in caplog.records if "not drained" in r.getMessage()]
+    submitted = [e for e in seen if isinstance(e, batch.events.JobSubmitted)]
+    assert [e.job_id for e in submitted] == [job_id]
 
 
 def test_a_retry_right_after_a_lost_reply_gets_the_job_and_it_finishes(
