@@ -25,6 +25,7 @@ from ._rows import (
     WriteOutcome,
 )
 from ._schema import JOB_STATUSES, LIVE, SCHEMA_VERSION, TARGET_STATUSES, TERMINAL, Status
+from ._upkeep import TOMBSTONE_TTL
 
 __all__ = [
     "DB",
@@ -33,6 +34,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "TARGET_STATUSES",
     "TERMINAL",
+    "TOMBSTONE_TTL",
     "JobRow",
     "Lookup",
     "NewTarget",

@@ -12,7 +12,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import attrs
-from sqlalchemy import Connection, LargeBinary, cast, func, or_, select
+from sqlalchemy import Connection, LargeBinary, cast, func, select
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.functions import FunctionElement
@@ -21,10 +21,9 @@ from sqlalchemy.types import BigInteger
 from ._errors import wrap_errors
 from ._rows import JobRow
 from ._schema import LIVE, jobs, targets
+from ._shared import JOB_NAMES, aware_now, findable, job_from, visible
 
 __all__ = ["AdminQueries", "TargetSummary"]
-
-_JOB_FIELDS = tuple(f.name for f in attrs.fields(JobRow) if f.name != "ttl")
 
 
 @attrs.frozen
@@ -64,36 +63,9 @@ def _octet_length_sqlite(element: _OctetLength, compiler: SQLCompiler, **kw: Any
     return f"length({compiler.process(cast(arg, LargeBinary), **kw)})"
 
 
-def _visible(now: dt.datetime) -> Any:
-    """A job is visible while its lease holds, and always while it is live."""
-    return or_(jobs.c.expires_at > now, jobs.c.status.in_(LIVE))
-
-
-def _aware(now: dt.datetime | None) -> dt.datetime:
-    if now is None:
-        return dt.datetime.now(dt.timezone.utc)
-    if now.tzinfo is None or now.utcoffset() is None:
-        raise ValueError(f"naive datetime {now!r}: pass an aware UTC datetime")
-    return now.astimezone(dt.timezone.utc)
-
-
-def _text_key(value: object) -> bool:
-    """Whether a value could be a stored key (a string every backend can compare)."""
-    if not isinstance(value, str) or "\x00" in value:
-        return False
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def _job(row: Any) -> JobRow:  # a Row of the job columns (and maybe more)
     m = row._mapping
-    return JobRow(
-        **{name: m[name] for name in _JOB_FIELDS},
-        ttl=dt.timedelta(microseconds=m["ttl_us"]),
-    )
+    return job_from([m[name] for name in JOB_NAMES])
 
 
 _Q_LIVE_BY_CALLER = (
@@ -123,10 +95,10 @@ class AdminQueries:
         self, *, caller: str | None = None, now: dt.datetime | None = None
     ) -> dict[str, int]:
         """Visible jobs per status, optionally one caller's (statuses with none left out)."""
-        if caller is not None and not _text_key(caller):
+        if caller is not None and not findable(caller):
             return {}
-        now = _aware(now)
-        q = select(jobs.c.status, func.count()).where(_visible(now)).group_by(jobs.c.status)
+        now = aware_now(now)
+        q = select(jobs.c.status, func.count()).where(visible(now)).group_by(jobs.c.status)
         if caller is not None:
             q = q.where(jobs.c.caller == caller)
         with self._read() as conn:
@@ -150,10 +122,10 @@ class AdminQueries:
         if offset < 0 or limit < 1:
             raise ValueError(f"offset must be >= 0 and limit >= 1, not {offset}, {limit}")
         for value in (status, caller):
-            if value is not None and not _text_key(value):
+            if value is not None and not findable(value):
                 return []
-        now = _aware(now)
-        q = select(*jobs.c).where(_visible(now))
+        now = aware_now(now)
+        q = select(*jobs.c).where(visible(now))
         if status is not None:
             q = q.where(jobs.c.status == status)
         if caller is not None:
@@ -171,9 +143,9 @@ class AdminQueries:
         Read in one statement, so the job's counters and its targets agree. ``None`` when
         the job is unknown or its lease has lapsed.
         """
-        if not _text_key(job_id):
+        if not findable(job_id):
             return None
-        now = _aware(now)
+        now = aware_now(now)
         q = (
             select(
                 *jobs.c,
@@ -186,7 +158,7 @@ class AdminQueries:
                 targets.c.updated_at.label("t_updated_at"),
             )
             .select_from(jobs.outerjoin(targets, targets.c.job_id == jobs.c.id))
-            .where(jobs.c.id == job_id, _visible(now))
+            .where(jobs.c.id == job_id, visible(now))
             .order_by(targets.c.idx)
         )
         with self._read() as conn:
@@ -213,15 +185,15 @@ class AdminQueries:
 
         ``None`` too when the job is unknown or its lease has lapsed.
         """
-        if not _text_key(job_id) or isinstance(idx, bool) or not isinstance(idx, int):
+        if not findable(job_id) or isinstance(idx, bool) or not isinstance(idx, int):
             return None
         if not 0 <= idx < 2**31:  # an INTEGER column: anything else names no target
             return None
-        now = _aware(now)
+        now = aware_now(now)
         q = (
             select(targets.c.result)
             .select_from(targets.join(jobs, targets.c.job_id == jobs.c.id))
-            .where(targets.c.job_id == job_id, targets.c.idx == idx, _visible(now))
+            .where(targets.c.job_id == job_id, targets.c.idx == idx, visible(now))
         )
         with self._read() as conn:
             value = conn.execute(q).scalar_one_or_none()

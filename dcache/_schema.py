@@ -55,9 +55,9 @@ class Status(str, enum.Enum):
     """Every status a job or a target can have: the one spelling of each.
 
     Jobs are ``queued``, ``running``, ``done``, ``failed``, ``partial`` or ``cancelled``
-    (:data:`JOB_STATUSES`); stored targets are ``pending``, ``done`` or ``failed``, and
+    (:data:`dcache.JOB_STATUSES`); stored targets are ``pending``, ``done`` or ``failed``, and
     the HTTP API and the runner show the target in flight as ``running``
-    (:data:`TARGET_STATUSES`). Rows hold the plain strings (``Status.DONE.value``); a
+    (:data:`dcache.TARGET_STATUSES`). Rows hold the plain strings (``Status.DONE.value``); a
     member compares equal to its string.
     """
 

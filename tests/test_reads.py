@@ -104,7 +104,7 @@ def test_expired_is_told_from_unknown_until_the_tombstone_goes(
     assert runner.lookup(job_id) == "expired"
     assert db.lookup(job_id, now=clock()) == dcache.Lookup("expired", "alice", done.expires_at)
 
-    clock.now = done.expires_at + dcache._db.TOMBSTONE_TTL + dt.timedelta(seconds=1)
+    clock.now = done.expires_at + dcache.TOMBSTONE_TTL + dt.timedelta(seconds=1)
     assert db.purge_expired(now=clock()) == 0  # and the tombstone is purged in turn
     assert runner.lookup(job_id) == "unknown"
 

@@ -1,0 +1,160 @@
+"""Schema creation, its version row and in-place migrations.
+
+Creating the schema from several processes at once is safe: creators are serialised
+by an advisory lock (PostgreSQL), a named lock (MySQL/MariaDB, whose DDL commits
+implicitly) or the write lock (SQLite).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
+
+from sqlalchemy import Connection, Engine, bindparam, func, insert, select, text, update
+from sqlalchemy import inspect as sa_inspect
+from sqlalchemy.schema import CreateColumn
+
+from . import _sql as sql
+from ._errors import SchemaVersionError, StoreError, wrap_errors
+from ._schema import GLOBAL_LOCK, NOPAD_COLLATIONS, SCHEMA_VERSION, locks, meta, metadata
+
+log = logging.getLogger("dcache")
+
+
+class SchemaSetup:
+    """The schema methods of :class:`DB` (run once, when the store is built)."""
+
+    if TYPE_CHECKING:
+        _engine: Engine
+
+        def _read(self) -> AbstractContextManager[Connection]: ...
+
+        def _write(self) -> AbstractContextManager[Connection]: ...
+
+        dialect: str
+
+        io_timeout: float | None
+
+    @wrap_errors
+    def _create_schema(self) -> None:
+        if self.dialect in ("mysql", "mariadb"):
+            # MySQL commits DDL implicitly, so serialise creators with a named lock.
+            with self._engine.connect() as conn:
+                self._get_schema_lock(conn)
+                try:
+                    self._choose_nopad_collation(conn)
+                    metadata.create_all(conn)
+                    self._migrate(conn)
+                    self._check_columns(conn)
+                    self._init_meta(conn)
+                    conn.commit()
+                finally:
+                    conn.execute(select(func.release_lock("dcache_schema")))
+                    conn.commit()
+            return
+        with self._write() as conn:
+            if self.dialect == "postgresql":
+                conn.execute(select(func.pg_advisory_xact_lock(0x6463616368)))
+            metadata.create_all(conn)
+            self._migrate(conn)
+            self._check_columns(conn)
+            self._init_meta(conn)
+
+    def _get_schema_lock(self, conn: Connection) -> None:
+        # Wait up to a minute, in steps that each answer within io_timeout (a longer
+        # GET_LOCK would be cut as a silent server).
+        step = 60 if self.io_timeout is None else max(0, min(60, int(self.io_timeout) - 1))
+        deadline = time.monotonic() + 60
+        while True:
+            if conn.execute(select(func.get_lock("dcache_schema", step))).scalar() == 1:
+                return
+            if time.monotonic() >= deadline:
+                raise StoreError("timed out waiting for another process creating the schema")
+            if step == 0:
+                threading.Event().wait(0.05)
+
+    @staticmethod
+    def _choose_nopad_collation(conn: Connection) -> None:
+        """Make key comparisons exact on MySQL/MariaDB: no trailing-space padding.
+
+        The chosen collation is remembered on this engine's dialect and used by the
+        ``CREATE TABLE`` compiler in ``_schema`` instead of the padding ``utf8mb4_bin``.
+        """
+        have = set(
+            conn.execute(
+                text(sql.MYSQL_COLLATIONS).bindparams(bindparam("names", expanding=True)),
+                {"names": list(NOPAD_COLLATIONS)},
+            ).scalars()
+        )
+        chosen = next((c for c in NOPAD_COLLATIONS if c in have), None)
+        if chosen is not None:
+            conn.dialect.dcache_collation = chosen  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _migrate(conn: Connection) -> None:
+        """Add in place what a newer schema version added to existing tables.
+
+        ``create_all`` never alters an existing table. A column that can be added to a
+        populated table (one with a server default, or nullable) is added here, and so
+        is a missing index, so a version-1 database moves on without losing its jobs;
+        anything else is left to :meth:`_check_columns` to refuse.
+        """
+        inspector = sa_inspect(conn)
+        for table in metadata.sorted_tables:
+            have = {c["name"] for c in inspector.get_columns(table.name)}
+            for column in table.columns:
+                if column.name in have or not (column.nullable or column.server_default):
+                    continue
+                ddl = CreateColumn(column).compile(dialect=conn.dialect)
+                log.warning("adding column %s.%s to an older schema", table.name, column.name)
+                conn.execute(text(sql.add_column(table.name, str(ddl))))
+            indexed = {i["name"] for i in inspector.get_indexes(table.name)}
+            for index in table.indexes:
+                if index.name not in indexed:
+                    log.warning("adding index %s to an older schema", index.name)
+                    index.create(conn)
+
+    @staticmethod
+    def _check_columns(conn: Connection) -> None:
+        """Refuse tables that lack columns this version needs (made by an older build).
+
+        ``create_all`` never alters an existing table, so without this check such a
+        database would fail later, on some query, with an "unknown column" error.
+        """
+        inspector = sa_inspect(conn)
+        for table in metadata.sorted_tables:
+            have = {c["name"] for c in inspector.get_columns(table.name)}
+            missing = sorted(c.name for c in table.columns if c.name not in have)
+            if missing:
+                raise SchemaVersionError(
+                    f"table {table.name} lacks column(s) {', '.join(missing)}: it was made "
+                    "by an older development build of dcache; migrate it or use a new database"
+                )
+
+    @staticmethod
+    def _init_meta(conn: Connection) -> None:
+        found = conn.execute(select(meta.c.value).where(meta.c.key == "schema_version")).scalar()
+        if found is None:
+            conn.execute(insert(meta).values(key="schema_version", value=str(SCHEMA_VERSION)))
+        elif int(found) < SCHEMA_VERSION:  # _migrate brought the tables up to date
+            conn.execute(
+                update(meta).where(meta.c.key == "schema_version").values(value=str(SCHEMA_VERSION))
+            )
+        elif int(found) > SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"database schema version {found} is newer than this dcache's "
+                f"{SCHEMA_VERSION}: upgrade the library"
+            )
+        has_global = conn.execute(select(locks.c.name).where(locks.c.name == GLOBAL_LOCK)).first()
+        if has_global is None:
+            conn.execute(insert(locks).values(name=GLOBAL_LOCK))
+
+    @wrap_errors
+    def schema_version(self) -> int:
+        """The schema version recorded in the database."""
+        with self._read() as conn:
+            v = conn.execute(select(meta.c.value).where(meta.c.key == "schema_version")).scalar()
+        return int(v) if v is not None else 0

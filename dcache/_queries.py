@@ -1,0 +1,143 @@
+"""Reads of jobs and targets: status polls, listings, lookups."""
+
+from __future__ import annotations
+
+import datetime as dt
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
+
+from sqlalchemy import Connection, Engine, select
+
+from ._errors import wrap_errors
+from ._prepared import Prepared
+from ._rows import JobRow, Lookup, TargetRow
+from ._schema import LIVE, jobs, targets, tombstones
+from ._shared import JOB_COLS, TARGET_COLS, aware_now, findable, job_from, job_row, visible
+
+
+class JobReads:
+    """The read methods of :class:`DB`."""
+
+    if TYPE_CHECKING:
+        _engine: Engine
+
+        def _read(self) -> AbstractContextManager[Connection]: ...
+
+        _status_brief: Prepared
+
+        _status_read: Prepared
+
+    @wrap_errors
+    def get_job(self, job_id: str, now: dt.datetime | None = None) -> JobRow | None:
+        """The job, or ``None`` when unknown or its lease has lapsed."""
+        if not findable(job_id):
+            return None
+        now = aware_now(now)
+        with self._read() as conn:
+            row = conn.execute(select(*JOB_COLS).where(jobs.c.id == job_id, visible(now))).first()
+        return job_row(row) if row is not None else None
+
+    @wrap_errors
+    def get_job_with_targets(
+        self, job_id: str, now: dt.datetime | None = None, *, results: bool = True
+    ) -> tuple[JobRow, list[TargetRow]] | None:
+        """The job and all its targets in index order, read in one statement (consistent).
+
+        With ``results=False`` every target's ``result`` is left out (``None``) and its
+        size in bytes is read instead (``TargetRow.result_bytes``): a poll of a job with
+        large results reads a few hundred bytes. ``None`` when the job is unknown or its
+        lease has lapsed.
+        """
+        if not findable(job_id):
+            return None
+        now = aware_now(now)
+        read = self._status_read if results else self._status_brief
+        # Status polling is the hot read: one prepared statement, the job's columns
+        # converted once (from the first row), the targets' from every row.
+        with self._engine.connect() as conn:
+            raw = conn.exec_driver_sql(read.sql, read.params({"job_id": job_id, "now": now}))
+            rows = raw.fetchall()
+        if not rows:
+            return None
+        t0 = len(JOB_COLS)
+        job = job_from(read.convert(rows[0])[:t0])
+        out = [TargetRow(*read.convert(r, start=t0)[t0:]) for r in rows if r[t0] is not None]
+        return job, out
+
+    @wrap_errors
+    def get_target(
+        self, job_id: str, idx: int, now: dt.datetime | None = None
+    ) -> tuple[JobRow, TargetRow] | None:
+        """The job and one of its targets (with its result), read in one statement.
+
+        ``None`` when the job is unknown, its lease has lapsed, or it has no such target.
+        """
+        if not findable(job_id) or isinstance(idx, bool) or not isinstance(idx, int):
+            return None
+        now = aware_now(now)
+        q = (
+            select(*JOB_COLS, *TARGET_COLS)
+            .select_from(jobs.join(targets, targets.c.job_id == jobs.c.id))
+            .where(jobs.c.id == job_id, targets.c.idx == idx, visible(now))
+        )
+        with self._read() as conn:
+            row = conn.execute(q).first()
+        if row is None:
+            return None
+        t0 = len(JOB_COLS)
+        return job_from(tuple(row)[:t0]), TargetRow(*tuple(row)[t0:])
+
+    @wrap_errors
+    def lookup(self, job_id: str, now: dt.datetime | None = None) -> Lookup:
+        """Whether a job id is readable, expired (purged or not yet) or unknown.
+
+        One indexed read of the job row and, when it is gone, of its tombstone (kept for
+        ``tombstone_ttl`` after the purge, see :meth:`purge_expired`).
+        """
+        if not findable(job_id):
+            return Lookup("unknown")
+        now = aware_now(now)
+        with self._read() as conn:
+            row = conn.execute(
+                select(jobs.c.caller, jobs.c.status, jobs.c.expires_at).where(jobs.c.id == job_id)
+            ).first()
+            if row is not None:
+                if row.status in LIVE or row.expires_at > now:
+                    return Lookup("found", row.caller)
+                return Lookup("expired", row.caller, row.expires_at)
+            gone = conn.execute(
+                select(tombstones.c.caller, tombstones.c.expired_at).where(
+                    tombstones.c.id == job_id
+                )
+            ).first()
+        if gone is None:
+            return Lookup("unknown")
+        return Lookup("expired", gone.caller, gone.expired_at)
+
+    @wrap_errors
+    def list_jobs(
+        self,
+        *,
+        caller: str | None = None,
+        live_only: bool = False,
+        limit: int = 100,
+        now: dt.datetime | None = None,
+    ) -> list[JobRow]:
+        """Visible jobs, newest first, optionally one caller's and/or only live ones.
+
+        Raises:
+            ValueError: ``limit`` is not a non-negative ``int``.
+        """
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"limit must be an int of 0 or more, not {limit!r}")
+        if caller is not None and not findable(caller):
+            return []
+        now = aware_now(now)
+        q = select(*JOB_COLS).where(visible(now))
+        if caller is not None:
+            q = q.where(jobs.c.caller == caller)
+        if live_only:
+            q = q.where(jobs.c.status.in_(LIVE))
+        q = q.order_by(jobs.c.created_at.desc(), jobs.c.id).limit(limit)
+        with self._read() as conn:
+            return [job_row(r) for r in conn.execute(q)]

@@ -1,0 +1,106 @@
+"""What the store's query modules share.
+
+The clock and its checks, key checks, column lists, the one mapping from a job row to
+:class:`JobRow`, and the visibility rule (a job is visible while its lease holds, and
+always while it is live).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Row, bindparam, literal_column, null, or_, select
+
+from ._rows import JobRow
+from ._schema import LIVE, Status, UTCDateTime, jobs, result_bytes, targets
+
+CANCELLED = Status.CANCELLED.value
+
+
+def utcnow() -> dt.datetime:
+    """The library's default clock: aware UTC wall time."""
+    return dt.datetime.now(dt.timezone.utc)
+
+
+def findable(*keys: object) -> bool:
+    """Whether keys could name a stored row: strings every backend can compare.
+
+    A NUL (PostgreSQL refuses it) or a lone surrogate (not UTF-8) can be in no key the
+    store wrote, so lookups answer "not found" without asking the database.
+    """
+    for key in keys:
+        if not isinstance(key, str) or "\x00" in key:
+            return False
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+    return True
+
+
+def aware_now(now: dt.datetime | None) -> dt.datetime:
+    if now is None:
+        return utcnow()
+    if now.tzinfo is None or now.utcoffset() is None:
+        raise ValueError(f"naive datetime {now!r}: pass an aware UTC datetime")
+    return now.astimezone(dt.timezone.utc)
+
+
+def job_from(values: Sequence[Any]) -> JobRow:
+    """A job row from its columns' values in table order (see ``JOB_COLS``)."""
+    m = dict(zip(JOB_NAMES, values, strict=True))
+    ttl = dt.timedelta(microseconds=m.pop("ttl_us"))
+    if m["status"] in LIVE:
+        # A live job's lease is its last write + ttl; the per-target write does not store
+        # it (the expiry index is left alone on the hot path, see dcache._writer).
+        m["expires_at"] = m["updated_at"] + ttl
+    return JobRow(ttl=ttl, **m)
+
+
+def job_row(row: Row[Any]) -> JobRow:
+    return job_from(tuple(row))
+
+
+JOB_COLS = [c for c in jobs.c]
+
+
+JOB_NAMES = [c.name for c in JOB_COLS]
+
+
+TARGET_COLS = [
+    targets.c.idx,
+    targets.c.url,
+    targets.c.options,
+    targets.c.status,
+    targets.c.result,
+    targets.c.error,
+    targets.c.hint,
+    targets.c.updated_at,
+]
+
+
+# "Live" with the statuses inlined: an expanding IN parameter is re-rendered per execute.
+LIVE_IN = jobs.c.status.in_([literal_column(f"'{s}'") for s in LIVE])
+
+
+def visible(now: Any) -> Any:
+    """A job is visible while its lease holds, and always while it is live."""
+    return or_(jobs.c.expires_at > now, LIVE_IN)
+
+
+Q_STATUS = (
+    select(*JOB_COLS, *TARGET_COLS)
+    .select_from(jobs.outerjoin(targets, targets.c.job_id == jobs.c.id))
+    .where(jobs.c.id == bindparam("job_id"), visible(bindparam("now", type_=UTCDateTime)))
+    .order_by(targets.c.idx)
+)
+
+
+# The same without the results, but with their sizes (TargetRow.result_bytes).
+Q_STATUS_BRIEF = Q_STATUS.with_only_columns(
+    *JOB_COLS,
+    *(null().label("result") if c is targets.c.result else c for c in TARGET_COLS),
+    result_bytes(targets.c.result).label("result_bytes"),
+)

@@ -1,0 +1,220 @@
+"""The submit transaction and the seed's lookups.
+
+Under the caller's lock row then the global one (always in that order): the
+idempotency lookup, both caps, and the insert of the job and its targets.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Connection, bindparam, func, insert, select
+from sqlalchemy import exc as sa_exc
+
+from ._errors import StoreError, wrap_errors
+from ._rows import JobRow, NewTarget, SubmitOutcome
+from ._schema import GLOBAL_LOCK, Status, UTCDateTime, jobs, locks, targets
+from ._shared import JOB_COLS, LIVE_IN, aware_now, findable, job_row, visible
+
+_US = dt.timedelta(microseconds=1)
+
+
+class _LockRowRace(Exception):
+    """Another transaction created the same caller lock row first; retry the submit."""
+
+
+# The submit transaction's statements, built once (construction costs more than SQLite's
+# own work for these reads).
+_Q_LOCK = select(locks.c.name).where(locks.c.name == bindparam("n")).with_for_update()
+
+
+_Q_IDEM = (
+    select(*JOB_COLS)
+    .where(
+        jobs.c.caller == bindparam("c"),
+        jobs.c.idem_key == bindparam("k"),
+        visible(bindparam("now", type_=UTCDateTime)),
+    )
+    .order_by(jobs.c.created_at.desc())
+    .limit(1)
+)
+
+
+_Q_LIVE_ALL = select(func.count()).select_from(jobs).where(LIVE_IN)
+
+
+_Q_LIVE_CALLER = _Q_LIVE_ALL.where(jobs.c.caller == bindparam("c"))
+
+
+class SubmitQueries:
+    """The submit and lookup methods of :class:`DB`."""
+
+    if TYPE_CHECKING:
+
+        def _read(self) -> AbstractContextManager[Connection]: ...
+
+        def _write(self) -> AbstractContextManager[Connection]: ...
+
+    @wrap_errors
+    def submit(
+        self,
+        *,
+        job_id: str,
+        caller: str,
+        caller_class: str,
+        idem_key: str,
+        targets: Sequence[NewTarget],
+        ttl: dt.timedelta,
+        jobs_per_caller: int,
+        jobs_total: int,
+        owner: str = "",
+        now: dt.datetime | None = None,
+        payload_key: str | None = None,
+    ) -> SubmitOutcome:
+        """Decide a submission atomically.
+
+        Under the caller's lock row: a job with this ``(caller, idem_key)`` whose lease
+        holds is returned as ``reused`` (no caps checked). Otherwise the caller's live
+        jobs are counted against ``jobs_per_caller``; then, under the global lock row,
+        all live jobs against ``jobs_total``; then the job is inserted ``running`` with
+        all its targets ``pending``. Racing submits from any number of threads,
+        processes or hosts create at most one job per key and never exceed a cap.
+        """
+        if not targets:
+            raise ValueError("a job needs at least one target")
+        now = aware_now(now)
+        caller_lock = "caller:" + caller
+        for _attempt in range(8):
+            try:
+                with self._write() as conn:
+                    return self._submit_tx(
+                        conn,
+                        caller_lock=caller_lock,
+                        job_id=job_id,
+                        caller=caller,
+                        caller_class=caller_class,
+                        idem_key=idem_key,
+                        new_targets=targets,
+                        ttl=ttl,
+                        jobs_per_caller=jobs_per_caller,
+                        jobs_total=jobs_total,
+                        owner=owner,
+                        now=now,
+                        payload_key=payload_key,
+                    )
+            except _LockRowRace:
+                continue
+        raise StoreError(f"could not create the lock row for caller {caller!r}")
+
+    def _submit_tx(
+        self,
+        conn: Connection,
+        *,
+        caller_lock: str,
+        job_id: str,
+        caller: str,
+        caller_class: str,
+        idem_key: str,
+        new_targets: Sequence[NewTarget],
+        ttl: dt.timedelta,
+        jobs_per_caller: int,
+        jobs_total: int,
+        owner: str,
+        now: dt.datetime,
+        payload_key: str | None,
+    ) -> SubmitOutcome:
+        if conn.execute(_Q_LOCK, {"n": caller_lock}).first() is None:
+            # First submit of this caller: create its lock row. Inserting locks it for the
+            # rest of this transaction; a racing creator makes one of us retry.
+            try:
+                conn.execute(insert(locks).values(name=caller_lock))
+            except sa_exc.IntegrityError as exc:
+                raise _LockRowRace from exc
+        reused = self._by_idem(conn, caller, idem_key, now)
+        if reused is not None:
+            return SubmitOutcome("reused", reused)
+        live_caller = self._count_live(conn, caller)
+        if live_caller >= jobs_per_caller:
+            return SubmitOutcome("caller_busy", live=live_caller)
+        conn.execute(_Q_LOCK, {"n": GLOBAL_LOCK})
+        live_total = self._count_live(conn, None)
+        if live_total >= jobs_total:
+            return SubmitOutcome("busy", live=live_total)
+        job: dict[str, Any] = {
+            "id": job_id,
+            "caller": caller,
+            "caller_class": caller_class,
+            "idem_key": idem_key,
+            "status": Status.RUNNING.value,
+            "error": "",
+            "targets_total": len(new_targets),
+            "targets_done": 0,
+            "targets_failed": 0,
+            "owner": owner,
+            "ttl_us": ttl // _US,
+            "created_at": now,
+            "updated_at": now,
+            "expires_at": now + ttl,
+            "finished_at": None,
+            "payload_key": payload_key,
+        }
+        conn.execute(insert(jobs), [job])
+        conn.execute(
+            insert(targets),
+            [
+                {
+                    "job_id": job_id,
+                    "idx": i,
+                    "url": t.url,
+                    "options": t.options,
+                    "status": Status.PENDING.value,
+                    "result": None,
+                    "error": "",
+                    "hint": "",
+                    "updated_at": None,
+                }
+                for i, t in enumerate(new_targets)
+            ],
+        )
+        job["ttl"] = ttl
+        del job["ttl_us"]
+        return SubmitOutcome("created", JobRow(**job))
+
+    @staticmethod
+    def _by_idem(conn: Connection, caller: str, idem_key: str, now: dt.datetime) -> JobRow | None:
+        row = conn.execute(_Q_IDEM, {"c": caller, "k": idem_key, "now": now}).first()
+        return job_row(row) if row is not None else None
+
+    @staticmethod
+    def _count_live(conn: Connection, caller: str | None) -> int:
+        if caller is None:
+            return int(conn.execute(_Q_LIVE_ALL).scalar_one())
+        return int(conn.execute(_Q_LIVE_CALLER, {"c": caller}).scalar_one())
+
+    @wrap_errors
+    def batch_job_by_idem(
+        self, caller: str, idem_key: str, now: dt.datetime | None = None
+    ) -> JobRow | None:
+        """The job for ``(caller, idem_key)`` whose lease has not lapsed, if any."""
+        if not findable(caller, idem_key):
+            return None
+        now = aware_now(now)
+        with self._read() as conn:
+            return self._by_idem(conn, caller, idem_key, now)
+
+    @wrap_errors
+    def live_batch_jobs(self, caller: str) -> int:
+        """How many ``queued``/``running`` jobs the caller has (by status, not lease)."""
+        if not findable(caller):
+            return 0
+        with self._read() as conn:
+            return self._count_live(conn, caller)
+
+    @wrap_errors
+    def live_batch_jobs_total(self) -> int:
+        """How many ``queued``/``running`` jobs there are in all."""
+        with self._read() as conn:
+            return self._count_live(conn, None)

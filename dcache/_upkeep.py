@@ -1,0 +1,241 @@
+"""Owners, reaping and purge: what the runners' heartbeat and maintenance threads call.
+
+Owner rows live on the control pool, so drains holding every pooled connection can
+never starve a heartbeat; purge works in bounded batches of short transactions.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Connection, and_, delete, insert, or_, select, update
+
+from ._errors import wrap_errors
+from ._rows import OwnerRow
+from ._schema import LIVE, jobs, owners, targets, tombstones
+from ._shared import CANCELLED, LIVE_IN, aware_now
+
+TOMBSTONE_TTL = dt.timedelta(days=7)  # how long a purged job's id still answers "expired"
+
+
+# Jobs a drain may still be working on: live, or cancelled with the drain not yet ended.
+_UNFINISHED = or_(LIVE_IN, and_(jobs.c.status == CANCELLED, jobs.c.finished_at.is_(None)))
+
+
+class Upkeep:
+    """The owner, reaping and purge methods of :class:`DB`."""
+
+    if TYPE_CHECKING:
+
+        def _control(self) -> AbstractContextManager[Connection]: ...
+
+        def _reap(
+            self, conn: Connection, rows: Sequence[Any], reason: str, now: dt.datetime
+        ) -> int: ...
+
+        def _write(self) -> AbstractContextManager[Connection]: ...
+
+    @wrap_errors
+    def heartbeat(
+        self,
+        owner: str,
+        now: dt.datetime | None = None,
+        *,
+        stale_after: dt.timedelta | None = None,
+    ) -> None:
+        """Record that ``owner`` (a live runner) is alive at ``now``.
+
+        ``stale_after`` is the owner's own word on how long after this beat it may be
+        taken for dead; :meth:`reap_orphans` honours it, so runners with different
+        heartbeat periods (a rolling deploy) never reap a punctual peer.
+        """
+        now = aware_now(now)
+        stale_at = None if stale_after is None else now + stale_after
+        # On a pool of its own: drains holding every pooled connection cannot starve it.
+        with self._control() as conn:
+            n = conn.execute(
+                update(owners)
+                .where(owners.c.owner == owner)
+                .values(heartbeat_at=now, stale_at=stale_at, beats=owners.c.beats + 1)
+            ).rowcount
+            if n == 0:
+                conn.execute(
+                    insert(owners).values(
+                        owner=owner, heartbeat_at=now, started_at=now, stale_at=stale_at, beats=1
+                    )
+                )
+
+    @wrap_errors
+    def remove_owner(self, owner: str) -> None:
+        """Forget an owner that stopped cleanly."""
+        with self._control() as conn:
+            conn.execute(delete(owners).where(owners.c.owner == owner))
+
+    @wrap_errors
+    def owners(self) -> list[OwnerRow]:
+        """Every owner row, and every owner named by an unfinished job but without a row.
+
+        What a judge of liveness observes: see :class:`OwnerRow` and :meth:`reap_owners`.
+        """
+        with self._control() as conn:
+            found = [
+                OwnerRow(
+                    owner=r.owner,
+                    present=True,
+                    beats=r.beats,
+                    heartbeat_at=r.heartbeat_at,
+                    stale_after=None if r.stale_at is None else r.stale_at - r.heartbeat_at,
+                )
+                for r in conn.execute(
+                    select(owners.c.owner, owners.c.beats, owners.c.heartbeat_at, owners.c.stale_at)
+                )
+            ]
+            missing = conn.execute(
+                select(jobs.c.owner)
+                .distinct()
+                .select_from(jobs.outerjoin(owners, owners.c.owner == jobs.c.owner))
+                .where(_UNFINISHED, owners.c.owner.is_(None))
+            ).scalars()
+            found.extend(OwnerRow(owner=o, present=False) for o in missing)
+        return found
+
+    @wrap_errors
+    def reap_owners(
+        self,
+        dead: Mapping[str, tuple[int, dt.datetime | None] | None],
+        reason: str,
+        now: dt.datetime | None = None,
+    ) -> int:
+        """Fail the unfinished jobs of owners judged dead; return how many were failed.
+
+        ``dead`` maps each owner to the :attr:`OwnerRow.token` the judge saw unchanged
+        for its staleness window. Under the owner rows' locks, an owner whose token has
+        changed since (it beat after all, or came back) is spared; the others' live jobs
+        are failed with ``error=reason`` (compare-and-set each), their cancelled jobs are
+        marked finished, and their rows are deleted, in one transaction.
+        """
+        if not dead:
+            return 0
+        now = aware_now(now)
+        names = sorted(dead)
+        with self._control() as conn:
+            rows = conn.execute(
+                select(owners.c.owner, owners.c.beats, owners.c.heartbeat_at)
+                .where(owners.c.owner.in_(names))
+                .with_for_update()
+            ).all()
+            current: dict[str, tuple[int, dt.datetime | None] | None] = dict.fromkeys(names)
+            current.update({r.owner: (r.beats, r.heartbeat_at) for r in rows})
+            confirmed = [o for o in names if current[o] == dead[o]]
+            if not confirmed:
+                return 0
+            unfinished = conn.execute(
+                select(jobs.c.id, jobs.c.status, jobs.c.ttl_us)
+                .where(jobs.c.owner.in_(confirmed), _UNFINISHED)
+                .order_by(jobs.c.id)
+            ).all()
+            marked = self._reap(conn, unfinished, reason, now)
+            conn.execute(delete(owners).where(owners.c.owner.in_(confirmed)))
+        return marked
+
+    @wrap_errors
+    def reap_orphans(
+        self, reason: str, stale_after: dt.timedelta, now: dt.datetime | None = None
+    ) -> int:
+        """Fail the live jobs whose owner stopped beating; return how many.
+
+        An owner is stale when it has no row, or when its last heartbeat is older than
+        ``now - stale_after`` and the ``stale_after`` it declared in :meth:`heartbeat`
+        has passed too. Each job is a compare-and-set, so one that finished
+        meanwhile is never touched. Cancelled jobs of stale owners are marked finished.
+        Stale owner rows are removed after their jobs, in the same transaction.
+        """
+        now = aware_now(now)
+        cutoff = now - stale_after
+        # Dead by the reaper's measure AND past the owner's own declared deadline.
+        dead = and_(
+            owners.c.heartbeat_at < cutoff,
+            or_(owners.c.stale_at.is_(None), owners.c.stale_at < now),
+        )
+        with self._write() as conn:
+            rows = conn.execute(
+                select(jobs.c.id, jobs.c.status, jobs.c.ttl_us)
+                .select_from(jobs.outerjoin(owners, owners.c.owner == jobs.c.owner))
+                .where(
+                    or_(
+                        jobs.c.status.in_(LIVE),
+                        and_(jobs.c.status == CANCELLED, jobs.c.finished_at.is_(None)),
+                    ),
+                    or_(owners.c.owner.is_(None), dead),
+                )
+                .order_by(jobs.c.id)
+            ).all()
+            marked = self._reap(conn, rows, reason, now)
+            gone = conn.execute(select(owners.c.owner).where(dead)).scalars().all()
+            if gone:
+                # Re-check in the DELETE: an owner that beat since the select keeps its row.
+                conn.execute(delete(owners).where(owners.c.owner.in_(gone), dead))
+        return marked
+
+    @wrap_errors
+    def purge_expired(
+        self,
+        now: dt.datetime | None = None,
+        *,
+        limit: int = 500,
+        max_batches: int = 100,
+        tombstone_ttl: dt.timedelta = TOMBSTONE_TTL,
+    ) -> int:
+        """Delete jobs whose lease lapsed (never live ones) with their targets.
+
+        Each deleted job leaves a tombstone (its id, caller and expiry) for
+        ``tombstone_ttl`` (7 days by default), so :meth:`lookup` can tell "expired" from
+        "unknown"; older tombstones are deleted here too. Works in batches of ``limit``
+        jobs, each its own short transaction, so live writers are never blocked for long.
+        Returns how many jobs were deleted.
+        """
+        now = aware_now(now)
+        gone = 0
+        with self._write() as conn:
+            conn.execute(delete(tombstones).where(tombstones.c.expired_at < now - tombstone_ttl))
+        for _ in range(max_batches):
+            with self._write() as conn:
+                lapsed = and_(jobs.c.expires_at <= now, jobs.c.status.not_in(LIVE))
+                ids = (
+                    conn.execute(select(jobs.c.id).where(lapsed).order_by(jobs.c.id).limit(limit))
+                    .scalars()
+                    .all()
+                )
+                if not ids:
+                    break
+                # Lock in the per-target write's order, targets then job, so a late write
+                # to a lapsed job waits (and then finds its target gone) instead of
+                # deadlocking; then re-check each job under its lock: a job whose lease a
+                # write just moved is kept whole.
+                conn.execute(
+                    select(targets.c.job_id, targets.c.idx)
+                    .where(targets.c.job_id.in_(ids))
+                    .with_for_update()
+                ).all()
+                found = conn.execute(
+                    select(jobs.c.id, jobs.c.caller, jobs.c.expires_at)
+                    .where(jobs.c.id.in_(ids), lapsed)
+                    .with_for_update()
+                ).all()
+                confirmed = [r.id for r in found]
+                if confirmed:
+                    conn.execute(
+                        insert(tombstones),
+                        [
+                            {"id": r.id, "caller": r.caller, "expired_at": r.expires_at}
+                            for r in found
+                        ],
+                    )
+                    conn.execute(delete(targets).where(targets.c.job_id.in_(confirmed)))
+                    gone += conn.execute(delete(jobs).where(jobs.c.id.in_(confirmed))).rowcount
+            if len(ids) < limit:
+                break
+        return gone
