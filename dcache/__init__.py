@@ -15,6 +15,7 @@ from ._errors import (
     StoreUnavailableError,
     is_transient,
 )
+from ._reads import JobStream
 from ._rows import (
     JobRow,
     Lookup,
@@ -32,6 +33,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "TERMINAL",
     "JobRow",
+    "JobStream",
     "Lookup",
     "NewTarget",
     "OwnerRow",

@@ -41,6 +41,7 @@ from ._admin import AdminQueries
 from ._engine import WRITE_OPTION, prepare_engine
 from ._errors import ResultTooLargeError, SchemaVersionError, StoreError, wrap_errors
 from ._prepared import Prepared
+from ._reads import WebReads
 from ._rows import (
     JobRow,
     Lookup,
@@ -249,7 +250,7 @@ _Q_STATUS_BRIEF = _Q_STATUS.with_only_columns(
 _Q_LIVE_CALLER = _Q_LIVE_ALL.where(jobs.c.caller == bindparam("c"))
 
 
-class DB(AdminQueries):
+class DB(AdminQueries, WebReads):
     """The durable store for batch jobs, on SQLite, PostgreSQL or MySQL/MariaDB.
 
     Build it with :meth:`open` (the store owns and disposes the engine), :meth:`memory`

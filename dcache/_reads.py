@@ -1,0 +1,185 @@
+"""Reads for serving results at web scale: a streamed status read and a cancel that answers.
+
+``DB`` inherits :class:`WebReads`. Both methods exist so an HTTP layer can answer each
+request with one read of the store:
+
+- :meth:`WebReads.get_job_with_targets_streamed` is :meth:`DB.get_job_with_targets` whose
+  targets arrive one row at a time (a server-side cursor on PostgreSQL and MySQL, SQLite's
+  own stepping), each result still the stored JSON text: a view splices those texts into
+  its response, so a job of 32 large results never sits in memory whole, decoded or not.
+- :meth:`WebReads.cancel_job` is :meth:`DB.cancel` that also returns the job row it
+  decided on (locked, so the answer is the state it changed), for any caller or one.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import attrs
+from sqlalchemy import Connection, CursorResult, select, update
+
+from ._errors import is_store_failure, translate, wrap_errors
+from ._rows import JobRow, TargetRow
+from ._schema import LIVE, jobs
+
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    from sqlalchemy import Engine
+
+    from ._prepared import Prepared
+
+__all__ = ["JobStream", "WebReads"]
+
+
+class JobStream:
+    """A job and its targets from one statement, the targets read as they are iterated.
+
+    ``job`` is read before this is handed out; iterating yields each :class:`TargetRow`
+    in index order (``result`` the stored JSON text, untouched). The read holds a pooled
+    connection until the targets are exhausted or :meth:`close` is called (a ``with``
+    block, or WSGI's ``close()`` on a response built from it, does that).
+    """
+
+    def __init__(
+        self,
+        conn: Connection,
+        result: CursorResult[Any],
+        *,
+        job: JobRow,
+        first: TargetRow | None,
+        read: Prepared,
+        t0: int,
+    ) -> None:
+        self.job = job
+        self._conn: Connection | None = conn
+        self._result = result
+        self._first = first
+        self._read = read
+        self._t0 = t0
+
+    def __iter__(self) -> Iterator[TargetRow]:
+        try:
+            if self._first is None:
+                return
+            first, self._first = self._first, None
+            yield first
+            while self._conn is not None:
+                try:
+                    raw = self._result.fetchone()
+                except Exception as exc:
+                    if is_store_failure(exc):
+                        raise translate(exc) from exc
+                    raise
+                if raw is None:
+                    return
+                yield TargetRow(*self._read.convert(raw, start=self._t0)[self._t0 :])
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """End the read and give its connection back (idempotent)."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        try:
+            self._result.close()
+        finally:
+            conn.close()
+
+    def __enter__(self) -> JobStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class WebReads:
+    """The web-scale reads of :class:`dcache.DB` (a mixin; see the module docstring)."""
+
+    if TYPE_CHECKING:
+        _engine: Engine
+        _status_read: Prepared
+        _status_brief: Prepared
+
+        def _write(self) -> AbstractContextManager[Connection]: ...
+
+    @wrap_errors
+    def get_job_with_targets_streamed(
+        self, job_id: str, now: dt.datetime | None = None, *, results: bool = True
+    ) -> JobStream | None:
+        """As :meth:`DB.get_job_with_targets`, the targets streamed one row at a time.
+
+        One statement, so the job's counters and its targets agree. The job row (and the
+        first target) is read before this returns; ``None`` (and no connection held) when
+        the job is unknown or its lease has lapsed. With ``results=False`` the results are
+        left out and their sizes read instead, as there.
+        """
+        from ._db import _findable, _job_from, _now  # the one row mapping and clock rule
+
+        if not _findable(job_id):
+            return None
+        now = _now(now)
+        read = self._status_read if results else self._status_brief
+        conn = self._engine.connect()
+        try:
+            # stream_results: a named cursor on psycopg, an unbuffered one on PyMySQL;
+            # max_row_buffer keeps SQLAlchemy from reading rows ahead in batches.
+            result = conn.exec_driver_sql(
+                read.sql,
+                read.params({"job_id": job_id, "now": now}),
+                execution_options={"stream_results": True, "max_row_buffer": 1},
+            )
+            raw = result.fetchone()
+            if raw is None:
+                result.close()
+                conn.close()
+                return None
+            t0 = len(jobs.c)
+            row = read.convert(raw)
+            job = _job_from(row[:t0])
+            first = TargetRow(*row[t0:]) if row[t0] is not None else None
+        except BaseException:
+            conn.close()
+            raise
+        return JobStream(conn, result, job=job, first=first, read=read, t0=t0)
+
+    @wrap_errors
+    def cancel_job(
+        self, job_id: str, now: dt.datetime | None = None, *, caller: str | None = None
+    ) -> tuple[bool, JobRow | None]:
+        """Flip a live job to ``cancelled`` and return the job as this decided it.
+
+        One transaction: the job row is read under a lock, then a compare-and-set flips
+        it if it is live. ``(True, job)`` when this cancelled it (``job`` as it is now);
+        ``(False, job)`` when it was already terminal; ``(False, None)`` when it is
+        unknown, its lease has lapsed, or ``caller`` is given and the job is not theirs
+        (then nothing is changed).
+        """
+        from ._db import _JOB_COLS, _findable, _job_row, _now, _visible
+
+        if not _findable(job_id) or (caller is not None and not _findable(caller)):
+            return False, None
+        now = _now(now)
+        with self._write() as conn:
+            found = conn.execute(
+                select(*_JOB_COLS).where(jobs.c.id == job_id, _visible(now)).with_for_update()
+            ).first()
+            if found is None:
+                return False, None
+            job = _job_row(found)
+            if caller is not None and job.caller != caller:
+                return False, None
+            if job.status not in LIVE:
+                return False, job
+            expires = now + job.ttl
+            won = conn.execute(
+                update(jobs)
+                .where(jobs.c.id == job_id, jobs.c.status.in_(LIVE))
+                .values(status="cancelled", updated_at=now, expires_at=expires)
+            ).rowcount
+        if won != 1:  # cannot happen under the row lock; answer what is known
+            return False, job
+        return True, attrs.evolve(job, status="cancelled", updated_at=now, expires_at=expires)
