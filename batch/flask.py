@@ -457,7 +457,7 @@ _STATUSES = {s: s.encode() for s in ("pending", "running", "done", "failed")}
 
 
 def _etag(job: Job, results: bool) -> str:
-    """A tag that changes exactly when the job or any target does (strong, quoted).
+    """A tag that changes exactly when the job or any target does (strong; unquoted).
 
     Every target write moves ``targets_done`` (and ``updated_at``); every status change
     moves ``status`` and ``updated_at``; a drain's end sets ``finished_at``: the job row
@@ -475,7 +475,7 @@ def _etag(job: Job, results: bool) -> str:
         "r" if results else "b",
     )
     digest = hashlib.blake2b("\x00".join(parts).encode(), digest_size=12).hexdigest()
-    return f'"{digest}"'
+    return digest
 
 
 def _iso(value: Any) -> str:
@@ -484,7 +484,7 @@ def _iso(value: Any) -> str:
 
 def _not_modified(tag: str) -> Response:
     resp = Response(status=304)
-    resp.headers["ETag"] = tag
+    resp.set_etag(tag)
     return resp
 
 
@@ -545,7 +545,7 @@ def _status_response(status: RawStatus, tag: str) -> Response:
             break
     else:
         resp = Response(b"".join(head), mimetype=_JSON)
-    resp.headers["ETag"] = tag
+    resp.set_etag(tag)
     return resp
 
 
