@@ -1064,6 +1064,13 @@ class Runner:
             self._emit(JobCancelled(self._clock(), job_id))
         return won, (_job(row) if row is not None else None)
 
+    def poll(self, job_id: str) -> Job | None:
+        """As :meth:`job`, on the store's cheapest read (for conditional polls)."""
+        if not _plausible_id(job_id):
+            return None
+        row = self._db.poll_job(job_id, now=self._clock())
+        return _job(row) if row is not None else None
+
     def wait_change(
         self, job_id: str, unchanged: Callable[[Job], bool], timeout: float
     ) -> Job | None:
@@ -1084,7 +1091,7 @@ class Runner:
         try:
             while True:
                 wake.clear()
-                job = self.job(job_id)
+                job = self.poll(job_id)
                 left = deadline - time.monotonic()
                 if job is None or not unchanged(job) or left <= 0:
                     return job

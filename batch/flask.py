@@ -338,19 +338,21 @@ class BatchAPI:
         tags = request.if_none_match
         if tags:
             # A conditional poll: one indexed read of the job row, no target, no result.
-            job = self.runner.job(job_id)
+            job = self.runner.poll(job_id)
             if job is None or job.caller != caller:
                 raise self._missing(job_id, caller)
             tag = _etag(job, results)
-            if tags.contains_weak(tag) and wait > 0:
-                changed = self.runner.wait_change(
-                    job_id, lambda j: _etag(j, results) == tag, timeout=wait
-                )
-                if changed is None or changed.caller != caller:
-                    raise self._missing(job_id, caller)
-                job = changed
-            if tags.contains_weak(_etag(job, results)):
-                return _not_modified(_etag(job, results))
+            if tags.contains_weak(tag):
+                if wait > 0:
+                    seen = tag
+                    changed = self.runner.wait_change(
+                        job_id, lambda j: _etag(j, results) == seen, timeout=wait
+                    )
+                    if changed is None or changed.caller != caller:
+                        raise self._missing(job_id, caller)
+                    tag = _etag(changed, results)
+                if tags.contains_weak(tag):
+                    return _not_modified(tag)
         elif wait > 0:
             job = self._own_job(job_id, caller)
             if job.finished_at is None:

@@ -214,6 +214,7 @@ STORE: dict[str, StoreScenario] = {
         lambda db, c: db.cancel_job(J_RUN, now=c.now, caller="caller-" + J_RUN)
     ),
     "DB.get_job_with_targets_streamed": StoreScenario(_streamed),
+    "DB.poll_job": StoreScenario(lambda db, c: db.poll_job(J_RUN, now=c.now)),
     "DB.fail_job": StoreScenario(lambda db, c: db.fail_job(J_RUN, "stop", now=c.now)),
     "DB.mark_finished": StoreScenario(lambda db, c: db.mark_finished(J_CANCEL, now=c.now)),
     "DB.mark_in_flight_failed": StoreScenario(
