@@ -167,10 +167,17 @@ def _drain(port: int, path: str) -> int:
 # -- load ---------------------------------------------------------------------------------------
 
 
-def load(port: int, path: str, seconds: float, headers: dict[str, str] | None = None) -> float:
+def load(
+    port: int,
+    path: str,
+    seconds: float,
+    headers: dict[str, str] | None = None,
+    *,
+    loader: str = "wrk",
+) -> float:
     """Requests per second over ``seconds`` with CONNECTIONS keep-alive connections."""
     all_headers = {**AUTH, **(headers or {})}
-    if shutil.which("wrk"):
+    if loader == "wrk" and shutil.which("wrk"):
         # wrk takes whole seconds.
         cmd = ["wrk", "-t", "2", "-c", str(CONNECTIONS), "-d", f"{max(1, round(seconds))}s"]
         for k, v in all_headers.items():
@@ -246,6 +253,7 @@ def http(spec: Spec, variant: str) -> list[Row]:
     big = p.mem_result_bytes
     seconds = float(spec.extra.get("seconds", 2.0 if quick else 4.0))
     rounds = int(spec.extra.get("rounds", 1 if quick else 2))
+    loader = str(spec.extra.get("loader", "wrk"))  # "python": the fallback, even with wrk
     small_id, big_id = prepare(spec.url, 8, n_big, big)
     be = spec.backend
     rows: list[Row] = []
@@ -262,10 +270,11 @@ def http(spec: Spec, variant: str) -> list[Row]:
             ("http/304", f"/jobs/{small_id}", {"If-None-Match": etag}),
         ]
         for _name, path, extra in cases:  # warm every worker and connection
-            load(port, path, 1.0, extra)
+            load(port, path, 1.0, extra, loader=loader)
         for _ in range(rounds):
             for name, path, extra in cases:
-                rows.append(_row(name, be, load(port, path, seconds, extra), "req/s"))
+                rate = load(port, path, seconds, extra, loader=loader)
+                rows.append(_row(name, be, rate, "req/s"))
     payload = float(n_big * big)
     rows.append(_row("http-rss/payload", be, payload / MIB, "MiB"))
     rows.append(_row("http-rss/one-result", be, big / MIB, "MiB"))
