@@ -386,23 +386,25 @@ class BatchAPI:
                 + ")",
                 context={"status": target.status},
             )
-        stored = json.loads(target.result)
-        del target  # the stored text: one copy of the content at a time
-        content = stored.get("content", "")
-        meta = stored.get("meta") or {}
-        del stored
+        stored, status = target.result, target.status
+        del target
+        parts = _content_parts(stored)
+        if parts is None:  # not the runner's own layout: decode it whole
+            whole = json.loads(stored)
+            parts = whole.get("meta") or {}, iter([whole.get("content", "")])
+            del whole
+        meta, pieces = parts
         ctype = meta.get("content_type") if isinstance(meta, dict) else None
         if isinstance(meta, dict) and meta.get("encoding") == "base64":
-            try:
-                data = base64.b64decode(content, validate=True)
-            except (binascii.Error, ValueError):
-                data = content.encode("utf-8")
+            body = _base64_body(pieces)
             mimetype = str(ctype) if ctype else "application/octet-stream"
         else:
-            data = content.encode("utf-8")
+            body = (piece.encode("utf-8") for piece in pieces)
             mimetype = str(ctype) if ctype else "text/plain; charset=utf-8"
-        del content
-        resp = Response(data, content_type=mimetype)
+        del stored, status
+        # Decoded and written a piece at a time: the stored text is held once, never a
+        # second whole copy of the content beside it (in Python or in the answer).
+        resp = Response(body, content_type=mimetype)
         resp.headers["X-Content-Type-Options"] = "nosniff"
         return resp
 
@@ -586,6 +588,86 @@ def _index_arg(raw: str) -> int | None:
     if not (raw.isascii() and raw.isdigit()) or len(raw) > 9:
         return None
     return int(raw)
+
+
+# -- raw content, decoded a piece at a time ---------------------------------------------------
+
+_CONTENT_PREFIX = '{"content": "'  # how the runner stores a result (json.dumps defaults)
+_META_PREFIX = ', "meta": '
+_PIECE = 64 * 1024  # characters of the stored text per piece (a multiple of 4: base64)
+
+
+def _content_parts(stored: str) -> tuple[Any, Iterator[str]] | None:
+    """``(meta, pieces)`` of a stored result, its content decoded a piece at a time.
+
+    ``None`` when the text is not laid out as the runner writes it.
+    """
+    if not stored.startswith(_CONTENT_PREFIX):
+        return None
+    start = len(_CONTENT_PREFIX)
+    end = _string_end(stored, start)
+    if end < 0:
+        return None
+    rest = stored[end + 1 :]
+    meta: Any = {}
+    if rest.startswith(_META_PREFIX) and rest.endswith("}"):
+        try:
+            meta = json.loads(rest[len(_META_PREFIX) : -1])
+        except ValueError:
+            return None
+    elif rest != "}":
+        return None
+    return meta, _pieces(stored, start, end)
+
+
+def _string_end(text: str, i: int) -> int:
+    """Where the JSON string whose body starts at ``i`` ends (its closing quote), or -1."""
+    while True:
+        q = text.find('"', i)
+        if q < 0:
+            return -1
+        b = q
+        while b > i and text[b - 1] == "\\":
+            b -= 1
+        if (q - b) % 2 == 0:  # not itself escaped
+            return q
+        i = q + 1
+
+
+def _pieces(text: str, start: int, end: int) -> Iterator[str]:
+    """The decoded JSON string body ``text[start:end]``, in pieces of about _PIECE."""
+    i = start
+    while i < end:
+        want = min(i + _PIECE, end)
+        # An escape is at most 6 characters (\\uXXXX): a cut inside one does not decode,
+        # so try a few cuts before (then after) the wanted one.
+        cuts = [c for c in range(want, want - 7, -1) if c > i]
+        cuts += [c for c in range(want + 1, want + 7) if c <= end]
+        for n, j in enumerate(cuts):
+            try:
+                piece = json.loads('"' + text[i:j] + '"')
+                break
+            except ValueError:
+                if n == len(cuts) - 1:
+                    raise
+        yield piece
+        i = j
+
+
+def _base64_body(pieces: Iterator[str]) -> Iterator[bytes]:
+    """Base64 pieces decoded as they come (each cut at a multiple of 4 characters)."""
+    carry = ""
+    for piece in pieces:
+        text = carry + piece
+        cut = len(text) - len(text) % 4
+        carry = text[cut:]
+        if cut:
+            try:
+                yield base64.b64decode(text[:cut], validate=True)
+            except (binascii.Error, ValueError):
+                yield text[:cut].encode("utf-8")  # not base64 after all: as stored
+    if carry:
+        yield carry.encode("utf-8")
 
 
 def _not_found(job_id: str) -> APIError:

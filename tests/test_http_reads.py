@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 from conftest import Clock
 from flask import Flask
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sqlalchemy import event
 from test_flask import Api, GatedFetch, Make, _error, fetch, identify, make, make_all  # noqa: F401
 
@@ -370,3 +372,29 @@ def test_submit_answers_from_its_own_transaction(api_on: Any, statements: Statem
     after = statements.sql[inserts[-1] + 1 :]
     assert not [s for s in after if s.upper().startswith("SELECT")], statements.sql
     runner.wait(resp.get_json()["job"]["id"], timeout=10)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    content=st.text(
+        alphabet=st.sampled_from(["a", "é", '"', "\\", "\n", "\x00", "\x1f", "😀", "/"])
+    ),
+    piece=st.integers(min_value=1, max_value=9),
+    meta=st.sampled_from([{}, {"content_type": "text/html"}, {"x": '"}, "meta": {'}]),
+)
+def test_content_is_decoded_piece_by_piece_exactly(content: str, piece: int, meta: Any) -> None:
+    """/content never holds a second whole copy: pieces cut anywhere decode to the content."""
+    stored = json.dumps(batch.Result(content, meta).to_json(), ensure_ascii=False)
+    old = batch_flask._PIECE
+    batch_flask._PIECE = piece
+    try:
+        parts = batch_flask._content_parts(stored)
+        assert parts is not None
+        got_meta, pieces = parts
+        assert (got_meta, "".join(pieces)) == (meta, content)
+    finally:
+        batch_flask._PIECE = old
+    encoded = base64.b64encode(content.encode()).decode()
+    assert b"".join(batch_flask._base64_body(iter([encoded[:piece], encoded[piece:]]))) == (
+        content.encode()
+    )
