@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -70,59 +70,65 @@ class JobStream:
     in index order (``result`` the stored JSON text, untouched). The read holds a pooled
     connection until the targets are exhausted or :meth:`close` is called (a ``with``
     block, or WSGI's ``close()`` on a response built from it, does that).
+
+    Args:
+        job: the job row.
+        rows: its targets, read as they are iterated.
+        close: ends the read and gives its connection back.
     """
 
-    def __init__(
-        self,
-        conn: Connection,
-        result: CursorResult[Any],
-        *,
-        job: JobRow,
-        first: TargetRow | None,
-        read: Prepared,
-        t0: int,
-    ) -> None:
+    def __init__(self, job: JobRow, rows: Iterator[TargetRow], close: Callable[[], None]) -> None:
         self.job = job
-        self._conn: Connection | None = conn
-        self._result = result
-        self._first = first
-        self._read = read
-        self._t0 = t0
+        self._rows: Iterator[TargetRow] | None = rows
+        self._close = close
 
     def __iter__(self) -> Iterator[TargetRow]:
         try:
-            if self._first is None:
-                return
-            first, self._first = self._first, None
-            yield first
-            while self._conn is not None:
-                try:
-                    raw = self._result.fetchone()
-                except Exception as exc:
-                    if is_store_failure(exc):
-                        raise translate(exc) from exc
-                    raise
-                if raw is None:
-                    return
-                yield TargetRow(*self._read.convert(raw, start=self._t0)[self._t0 :])
+            if self._rows is not None:
+                yield from self._rows
         finally:
             self.close()
 
     def close(self) -> None:
         """End the read and give its connection back (idempotent)."""
-        conn, self._conn = self._conn, None
-        if conn is None:
+        if self._rows is None:
             return
-        try:
-            self._result.close()
-        finally:
-            conn.close()
+        self._rows = None
+        self._close()
 
     def __enter__(self) -> JobStream:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _rows(
+    result: CursorResult[Any], first: TargetRow | None, read: Prepared, t0: int
+) -> Iterator[TargetRow]:
+    if first is None:
+        return
+    yield first
+    while True:
+        try:
+            raw = result.fetchone()
+        except Exception as exc:
+            if is_store_failure(exc):
+                raise translate(exc) from exc
+            raise
+        if raw is None:
+            return
+        yield TargetRow(*read.convert(raw, start=t0)[t0:])
+
+
+def _closer(conn: Connection, result: CursorResult[Any]) -> Callable[[], None]:
+    def close() -> None:
+        try:
+            result.close()
+        finally:
+            conn.close()
+
+    return close
 
 
 class WebReads:
@@ -204,7 +210,7 @@ class WebReads:
         except BaseException:
             conn.close()
             raise
-        return JobStream(conn, result, job=job, first=first, read=read, t0=t0)
+        return JobStream(job, _rows(result, first, read, t0), _closer(conn, result))
 
     @wrap_errors
     def cancel_job(
