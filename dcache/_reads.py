@@ -20,20 +20,26 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import attrs
-from sqlalchemy import Connection, CursorResult, select, update
+from sqlalchemy import Connection, CursorResult, bindparam, select, update
 
 from ._errors import is_store_failure, translate, wrap_errors
+from ._prepared import Prepared
 from ._rows import JobRow, TargetRow
-from ._schema import LIVE, jobs
+from ._schema import LIVE, UTCDateTime, jobs
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
     from sqlalchemy import Engine
 
-    from ._prepared import Prepared
-
 __all__ = ["JobStream", "WebReads"]
+
+
+def _db() -> Any:
+    """``dcache._db`` (which imports this module): its row mapping and clock rules."""
+    from . import _db as module
+
+    return module
 
 
 def _watched(engine: Engine) -> bool:
@@ -149,29 +155,23 @@ class WebReads:
         pooled connection without a transaction around it: no target, no result read.
         ``None`` when the job is unknown or its lease has lapsed.
         """
-        from ._db import _JOB_COLS, _findable, _job_from, _now, _visible
-
-        if not _findable(job_id):
+        d = _db()
+        if not d._findable(job_id):
             return None
-        now = _now(now)
+        now = d._now(now)
         read = self.__dict__.get("_poll_read")
         if read is None:
-            from sqlalchemy import bindparam
-
-            from ._prepared import Prepared
-            from ._schema import UTCDateTime
-
-            q = select(*_JOB_COLS).where(
-                jobs.c.id == bindparam("job_id"), _visible(bindparam("now", type_=UTCDateTime))
+            q = select(*d._JOB_COLS).where(
+                jobs.c.id == bindparam("job_id"), d._visible(bindparam("now", type_=UTCDateTime))
             )
-            read = Prepared(q, self._engine.dialect, [c.type for c in _JOB_COLS])
+            read = Prepared(q, self._engine.dialect, [c.type for c in d._JOB_COLS])
             self.__dict__["_poll_read"] = read
         with self._engine.connect() as conn:
             if _watched(self._engine):
                 row = read.execute(conn, job_id=job_id, now=now).first()
             else:
                 row = _on_cursor(conn, read, {"job_id": job_id, "now": now})
-        return _job_from(read.convert(row)) if row is not None else None
+        return d._job_from(read.convert(row)) if row is not None else None
 
     @wrap_errors
     def get_job_with_targets_streamed(
