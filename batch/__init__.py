@@ -19,7 +19,7 @@ from ._errors import (
     SubmitError,
     TooManyTargetsError,
 )
-from ._runner import Fetch, Runner, new_job_id
+from ._runner import Fetch, RawStatus, Runner, new_job_id
 from ._values import (
     Config,
     Job,
@@ -43,6 +43,7 @@ __all__ = [
     "InvalidTargetsError",
     "Job",
     "Options",
+    "RawStatus",
     "Result",
     "Runner",
     "RunnerClosedError",

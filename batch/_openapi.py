@@ -19,7 +19,8 @@ _JOB_STATUSES = list(dcache.JOB_STATUSES)
 _TARGET_STATUSES = list(dcache.TARGET_STATUSES)
 _ERROR_TYPES = (
     "bad_request, invalid_parameter, invalid_idempotency_key, unauthorized, not_found, "
-    "method_not_allowed, job_finished, payload_too_large, unsupported_media_type, "
+    "expired, no_result, method_not_allowed, job_finished, payload_too_large, "
+    "unsupported_media_type, "
     "invalid_request, invalid_targets, too_many_targets, refused_target, idempotency_key_reused, "
     "caller_busy, busy, unavailable, internal"
 )
@@ -147,6 +148,12 @@ _SCHEMAS: dict[str, Any] = {
             "result": {"oneOf": [_ref("Result"), {"type": "null"}]},
             "error": _STR,
             "hint": _STR,
+            "bytes": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "With ?results=false only, for a target with a stored "
+                "result: its size in bytes (the UTF-8 JSON of the result object).",
+            },
         },
         "additionalProperties": False,
     },
@@ -197,9 +204,14 @@ _SCHEMAS: dict[str, Any] = {
                     "status": {"type": "string", "enum": _JOB_STATUSES},
                     "parameter": {"type": "string"},
                     "hint": {"type": "string"},
+                    "expired_at": {**_TIME, "description": "When an expired job lapsed."},
                 },
                 "additionalProperties": False,
-            }
+            },
+            "expired_at": {
+                **_TIME,
+                "description": "410 only: when the job's lease lapsed (null if unknown).",
+            },
         },
         "additionalProperties": False,
     },
@@ -212,6 +224,27 @@ _JOB_ID = {
     "schema": {"type": "string"},
     "description": "The job's id, as returned by POST.",
 }
+
+_IDX = {
+    "name": "idx",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "integer", "minimum": 0},
+    "description": "The target's index in the submitted list, from 0.",
+}
+
+_ETAG = {
+    "description": "Changes exactly when the job or any of its targets changes; send it "
+    "back in If-None-Match to poll for a change.",
+    "schema": _STR,
+    "required": True,
+}
+
+_GONE = _error(
+    "The caller's own job has expired: its lease lapsed (its results are gone). "
+    "Told apart from an unknown id for a while (tombstones are kept 7 days by default); "
+    "the top-level expired_at says when."
+)
 
 _COMMON = {
     "default": _error("Any other error (e.g. one raised by the app's identify hook)."),
@@ -287,23 +320,56 @@ def _paths(prefix: str) -> dict[str, Any]:
             "get": {
                 "operationId": "getJob",
                 "summary": "A job and its targets; optionally long-poll until it finishes",
+                "description": (
+                    "One read of the store; stored results are written into the answer "
+                    "as stored. The ETag changes exactly when the job or a target does: "
+                    "with If-None-Match carrying the current tag the answer is 304 with no "
+                    "body, from one read of the job row. With wait too, the request waits "
+                    "(up to wait seconds) for the tag to change; with wait alone, for the "
+                    "job to finish. With results=false every result is null and each "
+                    "stored result's size is given as bytes: fetch a result with "
+                    "/targets/{idx} or its content with /targets/{idx}/content."
+                ),
                 "parameters": [
                     {
                         "name": "wait",
                         "in": "query",
                         "required": False,
                         "schema": {"type": "number", "minimum": 0, "maximum": 30},
-                        "description": "Wait up to this many seconds for the job to finish.",
-                    }
+                        "description": "Wait up to this many seconds for the job to finish "
+                        "(or, with If-None-Match, for it to change).",
+                    },
+                    {
+                        "name": "results",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "boolean", "default": True},
+                        "description": "false: leave every result out (null), give its "
+                        "size in bytes instead.",
+                    },
+                    {
+                        "name": "If-None-Match",
+                        "in": "header",
+                        "required": False,
+                        "schema": {"type": "string"},
+                        "description": "An ETag of an earlier answer: 304 while it is "
+                        "still current.",
+                    },
                 ],
                 "responses": {
                     "200": {
                         "description": "The job and every target, in index order.",
+                        "headers": {"ETag": _ETAG},
                         "content": _json_content(_ref("StatusResponse")),
                     },
-                    "400": _error("wait is not a number from 0 to 30."),
+                    "304": {
+                        "description": "Not modified: the If-None-Match tag is current (no body).",
+                        "headers": {"ETag": _ETAG},
+                    },
+                    "400": _error("wait is not a number from 0 to 30, or results not a boolean."),
                     **_COMMON,
                     "404": _error("Unknown, lapsed, or another caller's job."),
+                    "410": _GONE,
                 },
             },
             "delete": {
@@ -321,6 +387,50 @@ def _paths(prefix: str) -> dict[str, Any]:
                     **_COMMON,
                     "404": _error("Unknown, lapsed, or another caller's job."),
                     "409": _error("The job has already finished (done, failed, ...)."),
+                    "410": _GONE,
+                },
+            },
+        },
+        prefix + "/{job_id}/targets/{idx}": {
+            "parameters": [_JOB_ID, _IDX],
+            "get": {
+                "operationId": "getTarget",
+                "summary": "One target with its result",
+                "responses": {
+                    "200": {
+                        "description": "The target, its result as stored (null until "
+                        "stored, and for a failed target).",
+                        "content": _json_content(_ref("TargetStatus")),
+                    },
+                    **_COMMON,
+                    "404": _error("Unknown, lapsed or another caller's job, or no such target."),
+                    "410": _GONE,
+                },
+            },
+        },
+        prefix + "/{job_id}/targets/{idx}/content": {
+            "parameters": [_JOB_ID, _IDX],
+            "get": {
+                "operationId": "getTargetContent",
+                "summary": "One target's fetched content, raw",
+                "description": (
+                    "The result's content as the body, with the content type fetch "
+                    "reported in meta.content_type (text/plain; charset=utf-8 when it "
+                    "reported none); content fetch stored as base64 (meta.encoding) is "
+                    "decoded. One result at a time: a client pulls large results with "
+                    "bounded memory on both sides."
+                ),
+                "responses": {
+                    "200": {
+                        "description": "The content.",
+                        "content": {"*/*": {"schema": {}}},
+                    },
+                    **_COMMON,
+                    "404": _error(
+                        "Unknown, lapsed or another caller's job, no such target, "
+                        "or (no_result, with status) no result stored for it."
+                    ),
+                    "410": _GONE,
                 },
             },
         },

@@ -10,7 +10,7 @@ import random
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -69,7 +69,7 @@ from .events import (
     log_events,
 )
 
-__all__ = ["Fetch", "Runner", "new_job_id"]
+__all__ = ["Fetch", "RawStatus", "Runner", "new_job_id"]
 
 Fetch = Callable[[Target], Result]
 _R = TypeVar("_R", bound="Runner")
@@ -162,6 +162,34 @@ def _target_status(row: TargetRow, *, in_flight: bool) -> TargetStatus:
         options=options,
         result_bytes=row.result_bytes,
     )
+
+
+class RawStatus:
+    """A job and its targets as stored (see :meth:`Runner.status_raw`); iterate once."""
+
+    def __init__(self, stream: dcache.JobStream, results: bool = True) -> None:
+        self._stream = stream
+        self.job: Job = _job(stream.job)
+        self.results = results  # False: every result left out, its size in result_bytes
+
+    def __iter__(self) -> Iterator[dcache.TargetRow]:
+        in_flight = self.job.status == "running"
+        for row in self._stream:
+            if in_flight and row.status == "pending":
+                in_flight = False  # the first pending target of a running job is in flight
+                yield attrs.evolve(row, status="running")
+            else:
+                yield row
+
+    def close(self) -> None:
+        """Give the read's connection back (idempotent)."""
+        self._stream.close()
+
+    def __enter__(self) -> RawStatus:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class Runner:
@@ -1024,6 +1052,92 @@ class Runner:
                 raise TimeoutError(f"job {job_id} did not finish within {timeout} s")
             pause.wait(delay if remaining is None else min(delay, remaining))
             delay = min(delay * 1.5, 0.5)
+
+    # -- reads for serving results at web scale (HTTP pass-through) ---------------------
+
+    def status_raw(self, job_id: str, *, results: bool = True) -> RawStatus | None:
+        """As :meth:`status`, with each result the stored JSON text, targets streamed.
+
+        For a layer that writes the results straight into a response: nothing is decoded.
+        The targets are :class:`dcache.TargetRow` (the one in flight reads ``running``),
+        read one row at a time as the returned object is iterated; close it (or exhaust
+        it) to give its connection back. ``None`` if unknown or lapsed.
+        """
+        if not _plausible_id(job_id):
+            return None
+        stream = self._db.get_job_with_targets_streamed(job_id, now=self._clock(), results=results)
+        return RawStatus(stream, results) if stream is not None else None
+
+    def lookup_detail(self, job_id: str) -> dcache.Lookup:
+        """As :meth:`lookup`, with whose job it was and when it expired (for HTTP's 410)."""
+        if not _plausible_id(job_id):
+            return dcache.Lookup("unknown")
+        return self._db.lookup(job_id, now=self._clock())
+
+    def result_raw(self, job_id: str, idx: int) -> tuple[Job, dcache.TargetRow] | None:
+        """As :meth:`result`, the job too and the result as its stored JSON text."""
+        if not _plausible_id(job_id):
+            return None
+        found = self._db.get_target(job_id, idx, now=self._clock())
+        if found is None:
+            return None
+        row, target = found
+        if row.status == "running" and target.status == "pending" and idx == row.targets_done:
+            target = attrs.evolve(target, status="running")
+        return _job(row), target
+
+    def cancel_job(self, job_id: str, *, caller: str | None = None) -> tuple[bool, Job | None]:
+        """As :meth:`cancel`, returning the job as the cancel decided it (no second read).
+
+        ``(False, None)`` for an unknown or lapsed id, or (with ``caller``) a job of
+        another caller, which is left alone; ``(False, job)`` for a terminal job.
+        """
+        if not _plausible_id(job_id):
+            return False, None
+        won, row = self._db.cancel_job(job_id, now=self._clock(), caller=caller)
+        if won:
+            with self._lock:
+                drain = self._drains.get(job_id)
+            if drain is not None:
+                drain.stop.set()
+            self._emit(JobCancelled(self._clock(), job_id))
+        return won, (_job(row) if row is not None else None)
+
+    def poll(self, job_id: str) -> Job | None:
+        """As :meth:`job`, on the store's cheapest read (for conditional polls)."""
+        if not _plausible_id(job_id):
+            return None
+        row = self._db.poll_job(job_id, now=self._clock())
+        return _job(row) if row is not None else None
+
+    def wait_change(
+        self, job_id: str, unchanged: Callable[[Job], bool], timeout: float
+    ) -> Job | None:
+        """Poll the job row until ``unchanged(job)`` is false, for up to ``timeout`` s.
+
+        Returns the last job read (``None`` once it is unknown or lapsed). Wakes at once on
+        an event of a job drained here; a job drained elsewhere is polled with backoff.
+        """
+        deadline = time.monotonic() + max(0.0, timeout)
+        wake = threading.Event()
+
+        def on_event(event: Event) -> None:
+            if getattr(event, "job_id", None) == job_id:
+                wake.set()
+
+        unsubscribe = self.subscribe(on_event)
+        delay = 0.02
+        try:
+            while True:
+                wake.clear()
+                job = self.poll(job_id)
+                left = deadline - time.monotonic()
+                if job is None or not unchanged(job) or left <= 0:
+                    return job
+                wake.wait(min(delay, left))
+                delay = min(delay * 1.5, 0.25)
+        finally:
+            unsubscribe()
 
     # -- owner heartbeat, reaping, purging ----------------------------------------------
 

@@ -22,11 +22,14 @@ it would surely refuse (its scheme, or a host spelled as a refused address) answ
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
+import hashlib
 import json
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NoReturn
 
 import attrs
@@ -35,6 +38,7 @@ from werkzeug.exceptions import HTTPException
 
 import dcache
 
+from . import _json as jsonenc
 from ._dashboard import dashboard
 from ._errors import (
     BusyError,
@@ -48,7 +52,7 @@ from ._errors import (
 )
 from ._metrics import metrics
 from ._openapi import document
-from ._runner import Runner
+from ._runner import RawStatus, Runner
 from ._values import MAX_KEY_LENGTH, Job, normalize_targets
 from .fetchers import Fetcher
 
@@ -103,6 +107,7 @@ class APIError(Exception):
         *,
         headers: Mapping[str, str] | None = None,
         context: Mapping[str, Any] | None = None,
+        top: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -110,18 +115,19 @@ class APIError(Exception):
         self.message = message
         self.headers = dict(headers or {})
         self.context = dict(context or {})
+        self.top = dict(top or {})
 
     def response(self) -> Response:
         """The error as a JSON response."""
         body = {"error": {"type": self.type, "message": self.message, **self.context}}
+        body.update(self.top)  # e.g. 410's "expired_at", beside "error"
         resp = _json(body, self.status)
         resp.headers.update(self.headers)
         return resp
 
 
 def _json(obj: object, status: int = 200) -> Response:
-    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-    return Response(text, status=status, mimetype=_JSON)
+    return Response(jsonenc.dumps(obj), status=status, mimetype=_JSON)
 
 
 def _job_json(job: Job) -> dict[str, Any]:
@@ -208,9 +214,9 @@ class BatchAPI:
 
     def _submit(
         self, caller: str, caller_class: str, targets: Any, key: str | None
-    ) -> tuple[str, bool]:
+    ) -> tuple[Job, bool]:
         try:
-            return self.runner.submit(caller, caller_class, targets, idempotency_key=key)
+            return self.runner.submit_job(caller, caller_class, targets, idempotency_key=key)
         except IdempotencyKeyMismatchError:
             raise APIError(
                 422,
@@ -305,34 +311,123 @@ class BatchAPI:
             )
         key = self._idempotency_key()
         self._precheck(payload["targets"])
-        job_id, reused = self._submit(caller, caller_class, payload["targets"], key)
-        job = self.runner.job(job_id)
-        if job is None:  # lapsed between the submit and this read: submit again
-            raise self._unavailable("the job lapsed while it was being read; retry")
+        # The answer is the job row the submit transaction already has: no second read.
+        job, reused = self._submit(caller, caller_class, payload["targets"], key)
         resp = _json({"job": _job_json(job), "reused": bool(reused)}, 202)
-        resp.headers["Location"] = url_for(".job", job_id=job_id)
+        resp.headers["Location"] = url_for(".job", job_id=job.id)
         return resp
+
+    def _missing(self, job_id: str, caller: str) -> APIError:
+        """404, or 410 when the caller's own job has expired (its tombstone says so)."""
+        found = self.runner.lookup_detail(job_id)
+        if found.state == "expired" and found.caller == caller:
+            at = found.expired_at.isoformat() if found.expired_at is not None else None
+            return APIError(
+                410,
+                "expired",
+                f"job {job_id} has expired: its lease lapsed and its results are gone",
+                context={"expired_at": at},
+                top={"expired_at": at},
+            )
+        return _not_found(job_id)
 
     def _get_job(self, job_id: str) -> Response:
         caller, _ = self._caller()
         wait = _wait_arg(request.args.get("wait"))
-        job = self._own_job(job_id, caller)
-        if wait > 0 and job.finished_at is None:
-            with contextlib.suppress(TimeoutError):
-                self.runner.wait(job_id, timeout=wait)
-        found = self.runner.status(job_id)
+        results = _bool_arg("results", request.args.get("results"), default=True)
+        tags = request.if_none_match
+        if tags:
+            # A conditional poll: one indexed read of the job row, no target, no result.
+            job = self.runner.poll(job_id)
+            if job is None or job.caller != caller:
+                raise self._missing(job_id, caller)
+            tag = _etag(job, results)
+            if tags.contains_weak(tag):
+                if wait > 0:
+                    seen = tag
+                    changed = self.runner.wait_change(
+                        job_id, lambda j: _etag(j, results) == seen, timeout=wait
+                    )
+                    if changed is None or changed.caller != caller:
+                        raise self._missing(job_id, caller)
+                    tag = _etag(changed, results)
+                if tags.contains_weak(tag):
+                    return _not_modified(tag)
+        elif wait > 0:
+            job = self._own_job(job_id, caller)
+            if job.finished_at is None:
+                with contextlib.suppress(TimeoutError):
+                    self.runner.wait(job_id, timeout=wait)
+        status = self.runner.status_raw(job_id, results=results)
+        if status is None:
+            raise self._missing(job_id, caller)
+        if status.job.caller != caller:  # ownership, judged on the same read
+            status.close()
+            raise self._missing(job_id, caller)
+        return _status_response(status, _etag(status.job, results))
+
+    def _get_target(self, job_id: str, idx: str) -> Response:
+        caller, _ = self._caller()
+        found = self._target(job_id, idx, caller)
+        _job, target = found
+        head, result, tail = _target_parts(target, brief=False)
+        body = b"".join((head, result, tail))
+        return Response(body, mimetype=_JSON)
+
+    def _get_content(self, job_id: str, idx: str) -> Response:
+        caller, _ = self._caller()
+        _job, target = self._target(job_id, idx, caller)
+        if target.result is None:
+            raise APIError(
+                404,
+                "no_result",
+                f"target {target.idx} has no result ({target.status}"
+                + (f": {target.error}" if target.error else "")
+                + ")",
+                context={"status": target.status},
+            )
+        stored, status = target.result, target.status
+        del target
+        parts = _content_parts(stored)
+        if parts is None:  # not the runner's own layout: decode it whole
+            whole = json.loads(stored)
+            parts = whole.get("meta") or {}, iter([whole.get("content", "")])
+            del whole
+        meta, pieces = parts
+        ctype = meta.get("content_type") if isinstance(meta, dict) else None
+        if isinstance(meta, dict) and meta.get("encoding") == "base64":
+            body = _base64_body(pieces)
+            mimetype = str(ctype) if ctype else "application/octet-stream"
+        else:
+            body = (piece.encode("utf-8") for piece in pieces)
+            mimetype = str(ctype) if ctype else "text/plain; charset=utf-8"
+        del stored, status
+        # Decoded and written a piece at a time: the stored text is held once, never a
+        # second whole copy of the content beside it (in Python or in the answer).
+        resp = Response(body, content_type=mimetype)
+        resp.headers["X-Content-Type-Options"] = "nosniff"
+        return resp
+
+    def _target(self, job_id: str, idx: str, caller: str) -> tuple[Job, dcache.TargetRow]:
+        index = _index_arg(idx)
+        found = self.runner.result_raw(job_id, index) if index is not None else None
         if found is None or found[0].caller != caller:
-            raise _not_found(job_id)
-        job, targets = found
-        return _json({"job": _job_json(job), "targets": [t.to_json() for t in targets]})
+            job = self.runner.job(job_id) if found is None else found[0]
+            if job is None or job.caller != caller:
+                raise self._missing(job_id, caller)
+            raise APIError(
+                404,
+                "not_found",
+                f"job {job_id} has no target {idx} (it has {job.targets_total}, from 0)",
+            )
+        return found
 
     def _delete_job(self, job_id: str) -> Response:
         caller, _ = self._caller()
-        self._own_job(job_id, caller)
-        cancelled = self.runner.cancel(job_id)
-        job = self.runner.job(job_id)
+        # One compare-and-set, which also answers with the job as it decided it.
+        cancelled, job = self.runner.cancel_job(job_id, caller=caller)
         if job is None:
-            raise _not_found(job_id)
+            raise self._missing(job_id, caller)
         if not cancelled:
             raise APIError(
                 409,
@@ -355,6 +450,224 @@ class BatchAPI:
             return self._unavailable("the job store is unavailable; retry later").response()
         log.error("job store failed", exc_info=exc)
         return APIError(500, "internal", "the job store failed").response()
+
+
+# -- the pass-through status answer ---------------------------------------------------------
+
+# A status answer up to this size is sent whole (one write, with a Content-Length); a
+# larger one is streamed target by target, each stored result written as it is read.
+_WHOLE = 256 * 1024
+_STATUSES = {s: s.encode() for s in ("pending", "running", "done", "failed")}
+
+
+def _etag(job: Job, results: bool) -> str:
+    """A tag that changes exactly when the job or any target does (strong; unquoted).
+
+    Every target write moves ``targets_done`` (and ``updated_at``); every status change
+    moves ``status`` and ``updated_at``; a drain's end sets ``finished_at``: the job row
+    alone decides, so a conditional poll reads nothing else.
+    """
+    parts = (
+        job.id,
+        job.status,
+        job.error,
+        str(job.targets_done),
+        str(job.targets_failed),
+        _iso(job.updated_at),
+        _iso(job.expires_at),
+        _iso(job.finished_at),
+        "r" if results else "b",
+    )
+    digest = hashlib.blake2b("\x00".join(parts).encode(), digest_size=12).hexdigest()
+    return digest
+
+
+def _iso(value: Any) -> str:
+    return value.isoformat() if value is not None else ""
+
+
+def _not_modified(tag: str) -> Response:
+    resp = Response(status=304)
+    resp.set_etag(tag)
+    return resp
+
+
+def _target_parts(target: dcache.TargetRow, *, brief: bool) -> tuple[bytes, bytes, bytes]:
+    """One target's JSON in three pieces: before its result, the result, after it.
+
+    The result and the options are the stored JSON texts, spliced in untouched (the
+    runner wrote both with ``json``, so they are valid JSON already).
+    """
+    dumps = jsonenc.dumps
+    head = b"".join(
+        (
+            b'{"idx":',
+            str(target.idx).encode(),
+            b',"url":',
+            dumps(target.url),
+            b',"options":',
+            target.options.encode(),
+            b',"status":"',
+            _STATUSES.get(target.status) or target.status.encode(),
+            b'","result":',
+        )
+    )
+    result = target.result.encode() if target.result is not None else b"null"
+    tail = [b',"error":', dumps(target.error), b',"hint":', dumps(target.hint)]
+    if brief and target.result_bytes is not None:
+        tail += [b',"bytes":', str(target.result_bytes).encode()]
+    tail.append(b"}")
+    return head, result, b"".join(tail)
+
+
+def _status_chunks(status: RawStatus, brief: bool) -> Iterator[bytes]:
+    """The status document, a few pieces per target, reading targets as it goes."""
+    with status:
+        yield b'{"job":' + jsonenc.dumps(_job_json(status.job)) + b',"targets":['
+        sep = b""
+        for target in status:
+            head, result, tail = _target_parts(target, brief=brief)
+            del target  # the row's result text: one copy of each result at a time
+            yield sep + head
+            yield result
+            del result
+            yield tail
+            sep = b","
+        yield b"]}"
+
+
+def _status_response(status: RawStatus, tag: str) -> Response:
+    """The status answer: whole when small, else streamed target by target."""
+    chunks = _status_chunks(status, brief=_brief(status))
+    head: list[bytes] = []
+    size = 0
+    for chunk in chunks:
+        head.append(chunk)
+        size += len(chunk)
+        if size > _WHOLE:
+            resp = Response(_chain(head, chunks), mimetype=_JSON)
+            break
+    else:
+        resp = Response(b"".join(head), mimetype=_JSON)
+    resp.set_etag(tag)
+    return resp
+
+
+def _brief(status: RawStatus) -> bool:
+    return not status.results
+
+
+def _chain(first: list[bytes], rest: Iterator[bytes]) -> Iterator[bytes]:
+    try:
+        while first:
+            yield first.pop(0)
+        yield from rest
+    finally:
+        close = getattr(rest, "close", None)
+        if close is not None:
+            close()  # a client gone mid-answer: end the read, give the connection back
+
+
+def _bool_arg(name: str, raw: str | None, *, default: bool) -> bool:
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in ("true", "1", "yes"):
+        return True
+    if value in ("false", "0", "no"):
+        return False
+    raise APIError(
+        400,
+        "invalid_parameter",
+        f"{name} must be true or false",
+        context={"parameter": name},
+    )
+
+
+def _index_arg(raw: str) -> int | None:
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 9:
+        return None
+    return int(raw)
+
+
+# -- raw content, decoded a piece at a time ---------------------------------------------------
+
+_CONTENT_PREFIX = '{"content": "'  # how the runner stores a result (json.dumps defaults)
+_META_PREFIX = ', "meta": '
+_PIECE = 64 * 1024  # characters of the stored text per piece (a multiple of 4: base64)
+
+
+def _content_parts(stored: str) -> tuple[Any, Iterator[str]] | None:
+    """``(meta, pieces)`` of a stored result, its content decoded a piece at a time.
+
+    ``None`` when the text is not laid out as the runner writes it.
+    """
+    if not stored.startswith(_CONTENT_PREFIX):
+        return None
+    start = len(_CONTENT_PREFIX)
+    end = _string_end(stored, start)
+    if end < 0:
+        return None
+    rest = stored[end + 1 :]
+    meta: Any = {}
+    if rest.startswith(_META_PREFIX) and rest.endswith("}"):
+        try:
+            meta = json.loads(rest[len(_META_PREFIX) : -1])
+        except ValueError:
+            return None
+    elif rest != "}":
+        return None
+    return meta, _pieces(stored, start, end)
+
+
+def _string_end(text: str, i: int) -> int:
+    """Where the JSON string whose body starts at ``i`` ends (its closing quote), or -1."""
+    while True:
+        q = text.find('"', i)
+        if q < 0:
+            return -1
+        b = q
+        while b > i and text[b - 1] == "\\":
+            b -= 1
+        if (q - b) % 2 == 0:  # not itself escaped
+            return q
+        i = q + 1
+
+
+def _pieces(text: str, start: int, end: int) -> Iterator[str]:
+    """The decoded JSON string body ``text[start:end]``, in pieces of about _PIECE."""
+    i = start
+    while i < end:
+        want = min(i + _PIECE, end)
+        # An escape is at most 6 characters (\\uXXXX): a cut inside one does not decode,
+        # so try a few cuts before (then after) the wanted one.
+        cuts = [c for c in range(want, want - 7, -1) if c > i]
+        cuts += [c for c in range(want + 1, want + 7) if c <= end]
+        for n, j in enumerate(cuts):
+            try:
+                piece = json.loads('"' + text[i:j] + '"')
+                break
+            except ValueError:
+                if n == len(cuts) - 1:
+                    raise
+        yield piece
+        i = j
+
+
+def _base64_body(pieces: Iterator[str]) -> Iterator[bytes]:
+    """Base64 pieces decoded as they come (each cut at a multiple of 4 characters)."""
+    carry = ""
+    for piece in pieces:
+        text = carry + piece
+        cut = len(text) - len(text) % 4
+        carry = text[cut:]
+        if cut:
+            try:
+                yield base64.b64decode(text[:cut], validate=True)
+            except (binascii.Error, ValueError):
+                yield text[:cut].encode("utf-8")  # not base64 after all: as stored
+    if carry:
+        yield carry.encode("utf-8")
 
 
 def _not_found(job_id: str) -> APIError:
@@ -464,6 +777,8 @@ def _build(
     bp.add_url_rule("/openapi.json", "openapi", api._openapi, methods=["GET"])
     bp.add_url_rule("/<job_id>", "job", api._get_job, methods=["GET"])
     bp.add_url_rule("/<job_id>", "cancel", api._delete_job, methods=["DELETE"])
+    bp.add_url_rule("/<job_id>/targets/<idx>", "target", api._get_target, methods=["GET"])
+    bp.add_url_rule("/<job_id>/targets/<idx>/content", "content", api._get_content, methods=["GET"])
     # Routing errors never reach blueprint error handlers, so the blueprint answers its
     # own wrong methods and unknown paths in the one JSON shape, leaving the app alone.
     bp.add_url_rule(
@@ -484,6 +799,16 @@ def _build(
         _method_not_allowed("GET, HEAD, DELETE"),
         methods=["POST", "PUT", "PATCH"],
     )
+    for rule, endpoint in (
+        ("/<job_id>/targets/<idx>", "target_405"),
+        ("/<job_id>/targets/<idx>/content", "content_405"),
+    ):
+        bp.add_url_rule(
+            rule,
+            endpoint,
+            _method_not_allowed("GET, HEAD"),
+            methods=["POST", "PUT", "PATCH", "DELETE"],
+        )
     # "<prefix>/" (an empty job id) matches no rule above; without this it fell through
     # to the app's HTML 404.
     bp.add_url_rule(

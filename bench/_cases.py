@@ -20,7 +20,7 @@ from typing import Any
 
 import attrs
 
-from bench import _floors, _prefill
+from bench import _floors, _http, _prefill
 from bench._env import (
     Spec,
     Stopwatch,
@@ -542,6 +542,7 @@ def fetch(spec: Spec, variant: str) -> list[Row]:
 
 
 CASES: dict[str, Callable[[Spec, str], list[Row]]] = {
+    "http": _http.http,
     "fetch": fetch,
     "drain": drain,
     "submit": submit,

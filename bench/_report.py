@@ -19,6 +19,8 @@ ORDER = [
     "memory",
     "memory-rss",
     "fetch",
+    "http",
+    "http-rss",
 ]
 VARIANTS = [
     "raw",
@@ -33,6 +35,11 @@ VARIANTS = [
     "single",
     "http.client",
     "fetcher",
+    "floor",
+    "get",
+    "304",
+    "one-result",
+    "content",
 ]
 BACKEND_ORDER = ["sqlite", "sqlite-full", "postgresql", "mariadb", "redis", "loopback"]
 
@@ -48,7 +55,7 @@ LABELS = {
     "payload": "payload (floor)",
     "single": "1 drain at a time (floor)",
 }
-HIGHER_IS_BETTER = {"targets/s"}
+HIGHER_IS_BETTER = {"targets/s", "req/s"}
 
 
 def floor_of(row: str, backend: str, small_label: str) -> tuple[str, str] | None:
@@ -76,6 +83,13 @@ def floor_of(row: str, backend: str, small_label: str) -> tuple[str, str] | None
         return None if variant == "payload" else ("memory/payload", backend)
     if group == "fetch":
         return None if variant == "http.client" else ("fetch/http.client", backend)
+    if group == "http":
+        return {"get": ("http/floor", backend), "304": ("http/get", backend)}.get(variant)
+    if group == "http-rss":
+        if variant == "get":
+            return "http-rss/payload", backend
+        if variant == "content":
+            return "http-rss/one-result", backend
     return None
 
 
@@ -118,6 +132,19 @@ def describe(row: str) -> str:
         if variant == "http.client":
             return "fetch of a 1 KiB page on 127.0.0.1: http.client, read whole (floor)"
         return "fetch of a 1 KiB page on 127.0.0.1: batch.fetchers.Fetcher(allow=...)"
+    if group == "http":
+        return {
+            "floor": "GET of an 8 x 1 KiB job, gunicorn -w 2: plain Flask view, 1 SQL, jsonify",
+            "get": "GET /jobs/<id> of the same job (pass-through), req/s",
+            "304": "GET /jobs/<id> with If-None-Match (304), req/s",
+        }.get(variant, row)
+    if group == "http-rss":
+        return {
+            "payload": "GET of 32 x 1 MiB: payload",
+            "one-result": "/content of one 1 MiB result: its size",
+            "get": "GET /jobs/<id> of 32 x 1 MiB: worker's peak RSS growth",
+            "content": "the 32 results one by one via /content: peak RSS growth",
+        }.get(variant, row)
     if group == "memory-rss":
         return f"status of 32 x 1 MiB: RSS peak growth, {STATUS_LABELS.get(variant, variant)}"
     return row
@@ -301,11 +328,38 @@ def targets(rows: list[dict[str, Any]], small_label: str, large_label: str) -> l
             ("memory/payload", be),
             3.0,
         )
+    for be in BACKEND_ORDER:
+        check(
+            f"HTTP GET 8 x 1 KiB / floor view, {be}",
+            ("http/get", be),
+            ("http/floor", be),
+            0.9,
+            at_least=True,
+        )
+        check(
+            f"HTTP If-None-Match 304 / full GET, {be}",
+            ("http/304", be),
+            ("http/get", be),
+            1.5,
+            at_least=True,
+        )
+        check(
+            f"HTTP GET 32 x 1 MiB worker RSS growth / payload, {be}",
+            ("http-rss/get", be),
+            ("http-rss/payload", be),
+            1.5,
+        )
+        check(
+            f"HTTP /content one by one, RSS growth / 1 MiB, {be}",
+            ("http-rss/content", be),
+            ("http-rss/one-result", be),
+            2.0,
+        )
     return out
 
 
 def targets_table(items: list[dict[str, Any]]) -> str:
-    lines = ["| target (issue 6) | measured | limit | met |", "|---|---:|---|---|"]
+    lines = ["| target (issues 6, 12) | measured | limit | met |", "|---|---:|---|---|"]
     for t in items:
         lines.append(
             f"| {t['target']} | {t['value']:.2f} | {t['limit']} | {'yes' if t['met'] else 'NO'} |"

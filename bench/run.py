@@ -43,6 +43,7 @@ STATUS = ["raw", "core", "store", "runner"]
 MEMORY = ["raw", "store", "runner"]
 FETCH = ["http.client", "fetcher"]
 GROWTH_BACKENDS = ["sqlite", "postgresql"]
+HTTP_BACKENDS = ["sqlite", "postgresql"]  # the HTTP rows (issue 12): gunicorn + wrk
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -173,6 +174,7 @@ def plan(
     if "sqlite" in up:
         cases.append(("concurrent/runner", "sqlite"))
     cases += [(f"fetch/{v}", "loopback") for v in FETCH]
+    cases += [("http/all", b) for b in HTTP_BACKENDS if b in up]
     if p.prefill > 0:
         for b in GROWTH_BACKENDS:
             if b in up:
@@ -196,10 +198,14 @@ def spec_for(
         url = growth_url(be, urls.get(backend, ""), size, workdir)
     elif be.server:
         url = urls[backend]  # a server database, or Redis for the Huey row
+        if case.startswith("http/"):
+            extra["quick"] = p.jobs <= 4
     else:
         slug = case.replace("/", "-")
         url = f"sqlite:///{Path(workdir) / f'{n:04d}-{slug}-{backend}.sqlite3'}"
         extra["fresh_file"] = True
+        if case.startswith("http/"):
+            extra["quick"] = p.jobs <= 4
     return Spec(case=case, backend=backend, url=url, params=p, workdir=workdir, extra=extra)
 
 
@@ -273,17 +279,18 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(repeats):
             # Peak memory is deterministic: measured in the first repeat only.
             order = [cb for cb in cases if rep == 0 or not cb[0].startswith("memory/")]
+            # (The HTTP rows run every repeat: their memory rows are cheap beside the load.)
             rng.shuffle(order)
             # Fresh process per measurement; --pack N shares one among up to N of them
             # (never a memory row: its RSS baseline needs a process of its own).
             groups: list[list[tuple[str, str]]] = []
             for cb in order:
-                alone = cb[0].startswith("memory/")
+                alone = cb[0].startswith(("memory/", "http/"))
                 if (
                     groups
                     and not alone
                     and len(groups[-1]) < pack
-                    and not groups[-1][0][0].startswith("memory/")
+                    and not groups[-1][0][0].startswith(("memory/", "http/"))
                 ):
                     groups[-1].append(cb)
                 else:

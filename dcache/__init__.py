@@ -15,6 +15,7 @@ from ._errors import (
     StoreUnavailableError,
     is_transient,
 )
+from ._reads import JobStream
 from ._rows import (
     JobRow,
     Lookup,
@@ -36,6 +37,7 @@ __all__ = [
     "TERMINAL",
     "TOMBSTONE_TTL",
     "JobRow",
+    "JobStream",
     "Lookup",
     "NewTarget",
     "OwnerRow",

@@ -24,6 +24,7 @@ from ._engine import WRITE_OPTION, prepare_engine
 from ._errors import ResultTooLargeError, StoreError, wrap_errors
 from ._prepared import Prepared
 from ._queries import JobReads
+from ._reads import WebReads
 from ._rows import WriteOutcome
 from ._shared import JOB_COLS, Q_STATUS, Q_STATUS_BRIEF, TARGET_COLS, utcnow
 from ._submit import SubmitQueries
@@ -106,7 +107,7 @@ class _PoolOfItsOwn(OptionEngine):
         self.pool.dispose()
 
 
-class DB(SchemaSetup, SubmitQueries, JobReads, JobChanges, Upkeep, AdminQueries):
+class DB(SchemaSetup, SubmitQueries, JobReads, WebReads, JobChanges, Upkeep, AdminQueries):
     """The durable store for batch jobs, on SQLite, PostgreSQL or MySQL/MariaDB.
 
     Build it with :meth:`open` (the store owns and disposes the engine), :meth:`memory`

@@ -185,6 +185,14 @@ def _reap_owners(db: dcache.DB, ctx: Ctx) -> Any:
     return db.reap_owners(seen, "restart", now=ctx.now)
 
 
+def _streamed(db: dcache.DB, ctx: Ctx) -> Any:
+    stream = db.get_job_with_targets_streamed(J_PARTIAL, now=ctx.now)
+    if stream is None:
+        return None
+    with stream:
+        return stream.job, list(stream)
+
+
 STORE: dict[str, StoreScenario] = {
     "DB.open": StoreScenario(_open, atomic=False),
     "DB.schema_version": StoreScenario(lambda db, c: db.schema_version()),
@@ -202,6 +210,11 @@ STORE: dict[str, StoreScenario] = {
     "DB.write_target": StoreScenario(_write),
     "Writer.write_target": StoreScenario(_writer, atomic=False),
     "DB.cancel": StoreScenario(lambda db, c: db.cancel(J_RUN, now=c.now)),
+    "DB.cancel_job": StoreScenario(
+        lambda db, c: db.cancel_job(J_RUN, now=c.now, caller="caller-" + J_RUN)
+    ),
+    "DB.get_job_with_targets_streamed": StoreScenario(_streamed),
+    "DB.poll_job": StoreScenario(lambda db, c: db.poll_job(J_RUN, now=c.now)),
     "DB.fail_job": StoreScenario(lambda db, c: db.fail_job(J_RUN, "stop", now=c.now)),
     "DB.mark_finished": StoreScenario(lambda db, c: db.mark_finished(J_CANCEL, now=c.now)),
     "DB.mark_in_flight_failed": StoreScenario(

@@ -152,6 +152,29 @@ def test_huey_comparison_runs(tmp_path: Path) -> None:
     assert rows[0]["value"] > 0
 
 
+@pytest.mark.parametrize("loader", ["wrk", "python"])
+def test_http_rows_run_under_gunicorn(loader: str, tmp_path: Path) -> None:
+    """The HTTP rows (issue 12) start the app under gunicorn and load it (wrk, or Python)."""
+    from bench import _http
+
+    spec = _spec(tmp_path, "http/all", seconds=1, rounds=1, loader=loader)
+    rows = _http.http(spec, "all")
+    got = {r["row"]: r for r in rows}
+    assert set(got) == {
+        "http/floor",
+        "http/get",
+        "http/304",
+        "http-rss/payload",
+        "http-rss/one-result",
+        "http-rss/get",
+        "http-rss/content",
+    }
+    for name in ("http/floor", "http/get", "http/304"):
+        assert got[name]["unit"] == "req/s" and got[name]["value"] > 0
+    assert got["http-rss/payload"]["value"] == TINY.mem_targets * TINY.mem_result_bytes / 2**20
+    assert got["http-rss/get"]["value"] >= 0 and got["http-rss/content"]["value"] >= 0
+
+
 def test_cli_prints_the_table_and_writes_json(tmp_path: Path) -> None:
     """``python -m bench`` runs a fresh process per measurement and repeat, and reports."""
     out = tmp_path / "bench.json"

@@ -154,9 +154,16 @@ def check_response(doc: dict[str, Any], method: str, path: str, resp: TestRespon
             if header["schema"].get("type") == "integer":
                 value = int(value)
             _validate(doc, header["schema"], value)
+    if resp.status_code == 304:
+        assert resp.get_data() == b"", f"{method} {path}: a 304 has no body"
     if "content" in spec:
-        assert resp.mimetype == "application/json"
-        _validate(doc, spec["content"]["application/json"]["schema"], resp.get_json())
+        if "application/json" in spec["content"]:
+            assert resp.mimetype == "application/json"
+            _validate(doc, spec["content"]["application/json"]["schema"], resp.get_json())
+        else:
+            assert resp.mimetype, f"{method} {path}: no content type"
+    else:
+        assert resp.get_data() == b"", f"{method} {path}: a body where none is documented"
 
 
 # -- fixtures -------------------------------------------------------------------------------
@@ -221,13 +228,19 @@ def _error(resp: Any, status: int, type_: str) -> dict[str, Any]:
 
 
 def test_openapi_document_is_valid_openapi_31(make: Make) -> None:
-    """The served document is a valid OpenAPI 3.1 document describing the three routes."""
+    """The served document is a valid OpenAPI 3.1 document describing the five routes."""
     api, _ = make()
     resp = api.open("GET", "/jobs/openapi.json", caller=None)
     doc = resp.get_json()
     validate_spec(doc)
     assert doc["openapi"].startswith("3.1")
-    assert set(doc["paths"]) == {"/jobs", "/jobs/{job_id}", "/jobs/openapi.json"}
+    assert set(doc["paths"]) == {
+        "/jobs",
+        "/jobs/{job_id}",
+        "/jobs/{job_id}/targets/{idx}",
+        "/jobs/{job_id}/targets/{idx}/content",
+        "/jobs/openapi.json",
+    }
     assert doc == document("/jobs", "/")
 
 
@@ -240,6 +253,8 @@ def test_blueprint_mounted_elsewhere_documents_its_own_prefix(fetch: GatedFetch)
         assert set(api.doc["paths"]) == {
             "/api/v1/batches",
             "/api/v1/batches/{job_id}",
+            "/api/v1/batches/{job_id}/targets/{idx}",
+            "/api/v1/batches/{job_id}/targets/{idx}/content",
             "/api/v1/batches/openapi.json",
         }
         resp = api.post([{"url": "test://a"}])
@@ -411,8 +426,8 @@ def test_store_outage_is_503_with_retry_after(make: Make, monkeypatch: pytest.Mo
     def down(*_a: Any, **_kw: Any) -> Any:
         raise dcache.StoreUnavailableError("OperationalError: db.internal:5432 refused")
 
-    monkeypatch.setattr(runner, "submit", down)
-    monkeypatch.setattr(runner, "job", down)
+    for name in ("submit_job", "job", "status_raw", "cancel_job"):
+        monkeypatch.setattr(runner, name, down)
     for resp in (api.post([{"url": "test://b"}]), api.get(job_id), api.delete(job_id)):
         body = _error(resp, 503, "unavailable")
         assert resp.headers["Retry-After"] == "5"
@@ -428,7 +443,7 @@ def test_permanent_store_error_is_500_in_the_json_shape(
     def broken(*_a: Any, **_kw: Any) -> Any:
         raise dcache.StoreError("ProgrammingError: relation secret_table does not exist")
 
-    monkeypatch.setattr(runner, "submit", broken)
+    monkeypatch.setattr(runner, "submit_job", broken)
     body = _error(api.post([{"url": "test://a"}]), 500, "internal")
     assert "secret_table" not in body["message"]
 

@@ -184,3 +184,64 @@ def test_a_job_stored_before_payload_keys_is_still_checked_by_its_targets(
         runner.submit("alice", "free", [{"url": B}], idempotency_key="k1")
     assert runner.submit("alice", "free", [{"url": A}], idempotency_key="k1") == (job_id, True)
     assert runner.wait(job_id, timeout=WAIT) is not None
+
+
+def test_streamed_read_hands_out_stored_texts_one_row_at_a_time(
+    runner: batch.Runner, fake: FakeFetch, db: dcache.DB, clock: Clock
+) -> None:
+    """The pass-through read: the same rows as the plain read, results as stored, no decode."""
+    fake.behave(A, lambda t: batch.Result("é" * 3000, {"content_type": "text/html"}))
+    fake.block(C)
+    job_id, _ = runner.submit("alice", "free", [{"url": u} for u in (A, B, C)])
+    fake.wait_entered(C)
+    plain = db.get_job_with_targets(job_id, now=clock())
+    assert plain is not None
+    for results in (True, False):
+        stream = db.get_job_with_targets_streamed(job_id, now=clock(), results=results)
+        assert stream is not None
+        with stream:
+            assert stream.job == plain[0]
+            rows = list(stream)
+        expected = db.get_job_with_targets(job_id, now=clock(), results=results)
+        assert expected is not None and rows == expected[1]
+    assert rows[0].result is None and rows[0].result_bytes is not None
+    raw = runner.status_raw(job_id)
+    assert raw is not None
+    with raw:
+        targets = list(raw)
+    assert [t.status for t in targets] == ["done", "done", "running"]
+    assert targets[0].result == plain[1][0].result  # the stored text itself
+    assert json.loads(targets[0].result or "") == {
+        "content": "é" * 3000,
+        "meta": {"content_type": "text/html"},
+    }
+    # Closed half-way (a client gone mid-answer): the connection goes back to the pool.
+    stream = db.get_job_with_targets_streamed(job_id, now=clock())
+    assert stream is not None
+    next(iter(stream))
+    stream.close()
+    assert db.get_job_with_targets_streamed("0" * 32, now=clock()) is None
+    assert db.get_job_with_targets_streamed("bad\x00id", now=clock()) is None
+    fake.release(C)
+    assert runner.wait(job_id, timeout=WAIT) is not None
+
+
+def test_cancel_job_is_one_compare_and_set_answering_with_the_job(
+    runner: batch.Runner, fake: FakeFetch, db: dcache.DB, clock: Clock
+) -> None:
+    """DELETE's store call: flips a live job, says who won, returns the row it decided on."""
+    fake.block(A)
+    job_id, _ = runner.submit("alice", "free", [{"url": A}, {"url": B}])
+    fake.wait_entered(A)
+    assert db.cancel_job(job_id, now=clock(), caller="mallory") == (False, None)
+    assert runner.job(job_id).status == "running"  # type: ignore[union-attr]
+    won, job = runner.cancel_job(job_id, caller="alice")
+    assert won and job is not None
+    assert (job.status, job.updated_at, job.expires_at) == ("cancelled", clock(), clock() + TTL)
+    again, same = runner.cancel_job(job_id, caller="alice")
+    assert not again and same is not None and same.status == "cancelled"
+    assert runner.cancel_job("0" * 32) == (False, None)
+    fake.release(A)
+    finished = runner.wait(job_id, timeout=WAIT)
+    assert finished is not None and finished.status == "cancelled"
+    assert finished.targets_done == 1  # the in-flight target was stored, the next never ran

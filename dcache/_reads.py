@@ -1,0 +1,248 @@
+"""Reads for serving results at web scale: a streamed status read and a cancel that answers.
+
+``DB`` inherits :class:`WebReads`. Both methods exist so an HTTP layer can answer each
+request with one read of the store:
+
+- :meth:`WebReads.get_job_with_targets_streamed` is :meth:`DB.get_job_with_targets` whose
+  targets are converted one row at a time as they are iterated (SQLite steps its cursor
+  row by row; psycopg and PyMySQL hold the rows as received), each result still the
+  stored JSON text: a view splices those texts into its response, so a job of 32 large
+  results is never decoded, nor held as Python strings all at once.
+- :meth:`WebReads.cancel_job` is :meth:`DB.cancel` that also returns the job row it
+  decided on (locked, so the answer is the state it changed), for any caller or one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import attrs
+from sqlalchemy import Connection, CursorResult, bindparam, select, update
+
+from ._errors import is_store_failure, translate, wrap_errors
+from ._prepared import Prepared
+from ._rows import JobRow, TargetRow
+from ._schema import LIVE, UTCDateTime, jobs
+from ._shared import JOB_COLS, aware_now, findable, job_from, job_row, visible
+
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    from sqlalchemy import Engine
+
+__all__ = ["JobStream", "WebReads"]
+
+
+def _watched(engine: Engine) -> bool:
+    """Whether anyone watches statements (``echo``, cursor events: tracing, tests)."""
+    dispatch = engine.dispatch
+    return bool(engine.echo or dispatch.before_cursor_execute or dispatch.after_cursor_execute)
+
+
+def _on_cursor(conn: Connection, read: Prepared, values: dict[str, Any]) -> Any:
+    """One row of ``read`` from the connection's DBAPI cursor, when nobody watches.
+
+    SQLAlchemy's per-execute work (execution context, result set-up) costs several times
+    SQLite's own for this one-row read; the statement, its parameters' conversion and the
+    error translation are the same as through the engine (see ``dcache._writer``).
+    """
+    from ._writer import _as_sqlalchemy
+
+    dbapi: Any = conn.connection.driver_connection
+    cursor = dbapi.cursor()
+    try:
+        cursor.execute(read.sql, read.params(values))
+        return cursor.fetchone()
+    except Exception as exc:
+        raise _as_sqlalchemy(conn, exc, read.sql, cursor) from exc
+    finally:
+        with contextlib.suppress(Exception):
+            cursor.close()
+
+
+class JobStream:
+    """A job and its targets from one statement, the targets read as they are iterated.
+
+    ``job`` is read before this is handed out; iterating yields each :class:`TargetRow`
+    in index order (``result`` the stored JSON text, untouched). The read holds a pooled
+    connection until the targets are exhausted or :meth:`close` is called (a ``with``
+    block, or WSGI's ``close()`` on a response built from it, does that).
+
+    Args:
+        job: the job row.
+        rows: its targets, read as they are iterated.
+        close: ends the read and gives its connection back.
+    """
+
+    def __init__(self, job: JobRow, rows: Iterator[TargetRow], close: Callable[[], None]) -> None:
+        self.job = job
+        self._rows: Iterator[TargetRow] | None = rows
+        self._close = close
+
+    def __iter__(self) -> Iterator[TargetRow]:
+        try:
+            if self._rows is not None:
+                yield from self._rows
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """End the read and give its connection back (idempotent)."""
+        if self._rows is None:
+            return
+        self._rows = None
+        self._close()
+
+    def __enter__(self) -> JobStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _rows(
+    result: CursorResult[Any], first: TargetRow | None, read: Prepared, t0: int
+) -> Iterator[TargetRow]:
+    if first is None:
+        return
+    yield first
+    while True:
+        try:
+            raw = result.fetchone()
+        except Exception as exc:
+            if is_store_failure(exc):
+                raise translate(exc) from exc
+            raise
+        if raw is None:
+            return
+        yield TargetRow(*read.convert(raw, start=t0)[t0:])
+
+
+def _closer(conn: Connection, result: CursorResult[Any]) -> Callable[[], None]:
+    def close() -> None:
+        try:
+            result.close()
+            conn.close()
+        except Exception as exc:
+            if not is_store_failure(exc):
+                raise
+            # What was read stays read: a connection that died since (its ROLLBACK
+            # failed) is dropped, not reported; the pool opens a fresh one when needed.
+            with contextlib.suppress(Exception):
+                conn.invalidate()
+            with contextlib.suppress(Exception):
+                conn.close()
+
+    return close
+
+
+class WebReads:
+    """The web-scale reads of :class:`dcache.DB` (a mixin; see the module docstring)."""
+
+    if TYPE_CHECKING:
+        _engine: Engine
+        _status_read: Prepared
+        _status_brief: Prepared
+
+        def _write(self) -> AbstractContextManager[Connection]: ...
+
+    @wrap_errors
+    def poll_job(self, job_id: str, now: dt.datetime | None = None) -> JobRow | None:
+        """As :meth:`DB.get_job`, for the hottest read there is: a conditional poll.
+
+        One prepared statement on the job's primary key (compiled once per store), on a
+        pooled connection without a transaction around it: no target, no result read.
+        ``None`` when the job is unknown or its lease has lapsed.
+        """
+        if not findable(job_id):
+            return None
+        now = aware_now(now)
+        read = self.__dict__.get("_poll_read")
+        if read is None:
+            q = select(*JOB_COLS).where(
+                jobs.c.id == bindparam("job_id"), visible(bindparam("now", type_=UTCDateTime))
+            )
+            read = Prepared(q, self._engine.dialect, [c.type for c in JOB_COLS])
+            self.__dict__["_poll_read"] = read
+        with self._engine.connect() as conn:
+            if _watched(self._engine):
+                row = read.execute(conn, job_id=job_id, now=now).first()
+            else:
+                row = _on_cursor(conn, read, {"job_id": job_id, "now": now})
+        return job_from(read.convert(row)) if row is not None else None
+
+    @wrap_errors
+    def get_job_with_targets_streamed(
+        self, job_id: str, now: dt.datetime | None = None, *, results: bool = True
+    ) -> JobStream | None:
+        """As :meth:`DB.get_job_with_targets`, the targets streamed one row at a time.
+
+        One statement, so the job's counters and its targets agree. The job row (and the
+        first target) is read before this returns; ``None`` (and no connection held) when
+        the job is unknown or its lease has lapsed. With ``results=False`` the results are
+        left out and their sizes read instead, as there.
+        """
+        if not findable(job_id):
+            return None
+        now = aware_now(now)
+        read = self._status_read if results else self._status_brief
+        conn = self._engine.connect()
+        try:
+            # No server-side cursor: on PostgreSQL a named cursor costs a round trip per
+            # FETCH, which more than doubles a small job's read. The driver receives the
+            # rows as the server sent them (one copy of the results, as bytes) and each
+            # row is converted to Python only when it is iterated, so a reader holds the
+            # payload once plus one result, never the payload twice.
+            result = conn.exec_driver_sql(read.sql, read.params({"job_id": job_id, "now": now}))
+            raw = result.fetchone()
+            if raw is None:
+                result.close()
+                conn.close()
+                return None
+            t0 = len(jobs.c)
+            row = read.convert(raw)
+            job = job_from(row[:t0])
+            first = TargetRow(*row[t0:]) if row[t0] is not None else None
+        except BaseException:
+            conn.close()
+            raise
+        return JobStream(job, _rows(result, first, read, t0), _closer(conn, result))
+
+    @wrap_errors
+    def cancel_job(
+        self, job_id: str, now: dt.datetime | None = None, *, caller: str | None = None
+    ) -> tuple[bool, JobRow | None]:
+        """Flip a live job to ``cancelled`` and return the job as this decided it.
+
+        One transaction: the job row is read under a lock, then a compare-and-set flips
+        it if it is live. ``(True, job)`` when this cancelled it (``job`` as it is now);
+        ``(False, job)`` when it was already terminal; ``(False, None)`` when it is
+        unknown, its lease has lapsed, or ``caller`` is given and the job is not theirs
+        (then nothing is changed).
+        """
+        if not findable(job_id) or (caller is not None and not findable(caller)):
+            return False, None
+        now = aware_now(now)
+        with self._write() as conn:
+            found = conn.execute(
+                select(*JOB_COLS).where(jobs.c.id == job_id, visible(now)).with_for_update()
+            ).first()
+            if found is None:
+                return False, None
+            job = job_row(found)
+            if caller is not None and job.caller != caller:
+                return False, None
+            if job.status not in LIVE:
+                return False, job
+            expires = now + job.ttl
+            won = conn.execute(
+                update(jobs)
+                .where(jobs.c.id == job_id, jobs.c.status.in_(LIVE))
+                .values(status="cancelled", updated_at=now, expires_at=expires)
+            ).rowcount
+        if won != 1:  # cannot happen under the row lock; answer what is known
+            return False, job
+        return True, attrs.evolve(job, status="cancelled", updated_at=now, expires_at=expires)
