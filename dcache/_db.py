@@ -12,7 +12,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, Integer, create_engine, text
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 from sqlalchemy.engine.base import OptionEngine
 from sqlalchemy.pool import NullPool, Pool, QueuePool
 
@@ -63,6 +63,21 @@ _SQLITE_ROW_SLACK = 1 << 20
 _SQL_ROOM = 2048
 _VALUES_ROOM = 2048
 _MYSQL_ESCAPED = "\\\x00\n\r\x1a\"'"
+
+
+_BOOL = {"true": True, "1": True, "yes": True, "on": True}
+_BOOL.update({"false": False, "0": False, "no": False, "off": False})
+
+
+def _pgbouncer_flag(url: URL, flag: bool) -> tuple[URL, bool]:
+    """Strip ``?pgbouncer=`` from the URL; the store's option is on if either says so."""
+    if "pgbouncer" not in url.query:
+        return url, flag
+    raw = url.query["pgbouncer"]
+    value = (raw[-1] if isinstance(raw, tuple) else raw).strip().lower()
+    if value not in _BOOL:
+        raise ValueError(f"?pgbouncer= takes true or false, not {value!r}")
+    return url.difference_update_query(["pgbouncer"]), flag or _BOOL[value]
 
 
 def _escaped_size(text: str) -> int:
@@ -185,6 +200,7 @@ class DB(SchemaSetup, SubmitQueries, JobReads, WebReads, JobChanges, Upkeep, Adm
         busy_timeout: float = 30.0,
         connect_timeout: float = 5.0,
         io_timeout: float | None = 10.0,
+        pgbouncer: bool = False,
         **engine_options: Any,
     ) -> DB:
         """Open (and create if needed) the store at a SQLAlchemy URL.
@@ -202,6 +218,13 @@ class DB(SchemaSetup, SubmitQueries, JobReads, WebReads, JobChanges, Upkeep, Adm
                 connection is dropped, so a silent server or a network partition costs a
                 request seconds, not a hung thread; ``None``: no limit. A lock wait counts
                 too: keep it above the longest lock a store call may wait for.
+            pgbouncer: PostgreSQL only: the URL reaches the server through PgBouncer in
+                transaction (or statement) pooling mode, where consecutive transactions of
+                one client may run on different server connections. The driver then never
+                prepares statements server-side (psycopg's ``prepare_threshold=None``);
+                the query flag ``?pgbouncer=true`` in the URL does the same (it is removed
+                before the URL reaches the driver). Nothing else the store sends is
+                session-level: see :doc:`/deployment`.
             **engine_options: passed to :func:`sqlalchemy.create_engine`
                 (``connect_args`` are merged with the store's).
         """
@@ -210,6 +233,9 @@ class DB(SchemaSetup, SubmitQueries, JobReads, WebReads, JobChanges, Upkeep, Adm
             raise ValueError(f"synchronous must be one of {sql.SYNCHRONOUS}, not {synchronous!r}")
         io_timeout = _check_io_timeout(io_timeout)
         u = make_url(url)
+        u, pgbouncer = _pgbouncer_flag(u, pgbouncer)
+        if pgbouncer and u.get_backend_name() != "postgresql":
+            raise ValueError(f"pgbouncer is for PostgreSQL URLs, not {u.get_backend_name()}")
         try:
             if u.get_backend_name() == "sqlite":
                 if u.database in (None, "", ":memory:"):
@@ -219,7 +245,7 @@ class DB(SchemaSetup, SubmitQueries, JobReads, WebReads, JobChanges, Upkeep, Adm
                     "pool_size": 8,
                     "max_overflow": 56,
                 }
-                connect_args = {"check_same_thread": False, "timeout": busy_timeout}
+                connect_args: dict[str, Any] = {"check_same_thread": False, "timeout": busy_timeout}
             else:
                 backend = u.get_backend_name()
                 if backend in ("mysql", "mariadb") and "charset" not in u.query:
@@ -228,6 +254,12 @@ class DB(SchemaSetup, SubmitQueries, JobReads, WebReads, JobChanges, Upkeep, Adm
                 # before use so a server restart costs no request an error.
                 opts = {"pool_size": 8, "max_overflow": 24, "pool_pre_ping": True}
                 connect_args = {"connect_timeout": int(connect_timeout)}
+                if pgbouncer and u.get_driver_name() == "psycopg":
+                    # psycopg 3 prepares a statement after 5 executions and names it
+                    # per client connection; behind transaction pooling the next run
+                    # lands on another server connection ("does not exist") or on one
+                    # where another client's statement has that name ("already exists").
+                    connect_args["prepare_threshold"] = None
             opts.update(engine_options)
             opts["connect_args"] = {**connect_args, **engine_options.get("connect_args", {})}
             engine = create_engine(u, **opts)

@@ -12,6 +12,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import _pgbouncer
 import pytest
 from sqlalchemy import create_engine, text
 
@@ -27,6 +28,49 @@ REQUIRE_SERVERS = bool(os.environ.get("CI") or os.environ.get("DCACHE_REQUIRE_SE
 
 BACKENDS = ["memory", "sqlite", "postgresql", "mariadb"]
 SERVER_URLS = {"postgresql": POSTGRES_URL, "mariadb": MYSQL_URL}
+
+# PostgreSQL through a real PgBouncer in transaction pooling mode (tests/_pgbouncer.py),
+# started on first use and stopped when the session ends: the backend "pgbouncer" joins
+# the store, runner, process and race tests (PGBOUNCER_MODULES).
+PGBOUNCER_MODULES = {
+    "test_pgbouncer",
+    "test_processes",
+    "test_runner",
+    "test_store",
+    "test_store_races",
+}
+_bouncer: _pgbouncer.Bouncer | None = None
+
+
+def pgbouncer_url() -> str:
+    """The test PostgreSQL database through the session's PgBouncer (``?pgbouncer=true``)."""
+    global _bouncer
+    _check_server("postgresql")
+    if _bouncer is None:
+        if not Path(_pgbouncer.PGBOUNCER).exists():
+            why = f"PgBouncer is not installed ({_pgbouncer.PGBOUNCER}); .ci/run installs it"
+            if REQUIRE_SERVERS:
+                pytest.fail(why)
+            pytest.skip(why)
+        _bouncer = _pgbouncer.start(POSTGRES_URL)
+    return _bouncer.url()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _bouncer is not None:
+        _bouncer.stop()
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """The PgBouncer backend for the modules that run through it."""
+    bounced = metafunc.module.__name__.rpartition(".")[2] in PGBOUNCER_MODULES
+    marks = getattr(metafunc.function, "pytestmark", [])
+    named = {a.strip() for m in marks if m.name == "parametrize" for a in str(m.args[0]).split(",")}
+    for fixture, params in (("backend", BACKENDS), ("shared_url", _SHARED)):
+        if fixture in metafunc.fixturenames and fixture not in named:
+            extra = ["pgbouncer"] if bounced else []
+            metafunc.parametrize(fixture, [*params, *extra], indirect=True)
+
 
 _reachable: dict[str, str | None] = {}
 
@@ -59,10 +103,17 @@ def wipe(db: dcache.DB) -> None:
         conn.execute(text("DELETE FROM batch_lock WHERE name <> 'global'"))
 
 
+def is_server(backend: str) -> bool:
+    """Whether the backend is a shared server database (emptied before each test)."""
+    return backend in SERVER_URLS or backend == "pgbouncer"
+
+
 def backend_url(backend: str, tmp_path: Path) -> str:
     """A URL for the backend that a child process can open too (not ``memory``)."""
     if backend == "sqlite":
         return f"sqlite:///{tmp_path / 'store.sqlite3'}"
+    if backend == "pgbouncer":
+        return pgbouncer_url()
     _check_server(backend)
     return SERVER_URLS[backend]
 
@@ -72,17 +123,19 @@ def open_backend(backend: str, tmp_path: Path) -> dcache.DB:
     if backend == "memory":
         return dcache.DB.memory()
     db = dcache.DB.open(backend_url(backend, tmp_path))
-    if backend in SERVER_URLS:
+    if is_server(backend):
         wipe(db)
     return db
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture  # parametrised by pytest_generate_tests
 def backend(request: pytest.FixtureRequest) -> str:
     """The name of the backend under test."""
     name: str = request.param
     if name in SERVER_URLS:
         _check_server(name)
+    elif name == "pgbouncer":
+        pgbouncer_url()
     return name
 
 
@@ -99,11 +152,14 @@ def db(backend: str, tmp_path: Path) -> Iterator[dcache.DB]:
         store.close()
 
 
-@pytest.fixture(params=["sqlite", "postgresql", "mariadb"])
+_SHARED = ["sqlite", "postgresql", "mariadb"]
+
+
+@pytest.fixture  # parametrised by pytest_generate_tests
 def shared_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A URL several processes can open: the SQLite file and the servers, emptied first."""
     url = backend_url(request.param, tmp_path)
-    if request.param in SERVER_URLS:
+    if is_server(request.param):
         store = dcache.DB.open(url)
         wipe(store)
         store.close()

@@ -1,0 +1,175 @@
+"""The store behind a real PgBouncer in transaction pooling mode (Debian's 1.18 in CI).
+
+In that mode consecutive transactions of one client may run on different server
+connections, so nothing may live in a server session: not a prepared statement (psycopg 3
+prepares a statement after 5 executions unless ``prepare_threshold=None``), not a ``SET``.
+``DB.open(..., pgbouncer=True)`` or ``?pgbouncer=true`` in the URL makes the store safe
+there; the store, runner, process and race tests also run through the bouncer
+(``conftest.PGBOUNCER_MODULES``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from _fetchers import WAIT
+from conftest import POSTGRES_URL, pgbouncer_url, wipe
+from sqlalchemy import event
+from sqlalchemy.engine import make_url
+
+import batch
+import dcache
+from batch import Result
+
+
+def _plain(url: str) -> str:
+    """The same URL without the store's flag."""
+    return make_url(url).difference_update_query(["pgbouncer"]).render_as_string(False)
+
+
+def _conninfo(url: str) -> str:
+    u = make_url(_plain(url))
+    return f"host={u.host} port={u.port} dbname={u.database} user={u.username}"
+
+
+@pytest.fixture
+def bounced() -> Iterator[dcache.DB]:
+    db = dcache.DB.open(pgbouncer_url())
+    wipe(db)
+    try:
+        yield db
+    finally:
+        db.close()
+
+
+def test_the_tests_really_go_through_the_bouncer() -> None:
+    """The backend's URL points at PgBouncer's port, not PostgreSQL's."""
+    bouncer = make_url(pgbouncer_url())
+    assert bouncer.port != make_url(POSTGRES_URL).port
+    assert bouncer.query["pgbouncer"] == "true"
+    with psycopg.connect(_conninfo(pgbouncer_url()), autocommit=True) as conn:
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+
+
+def test_without_the_option_prepared_statements_break_behind_transaction_pooling() -> None:
+    """The failure the option exists for, shown with psycopg's defaults.
+
+    Client A runs one query until psycopg prepares it on the server connection A was
+    given; client B then takes that server connection for an open transaction, so A's
+    next transaction runs on another one, where the prepared statement does not exist.
+    """
+    info = _conninfo(pgbouncer_url())
+    with psycopg.connect(info, autocommit=True) as a, psycopg.connect(info) as b:
+        for i in range(10):
+            a.execute("SELECT %s::int + 1", (i,))
+        b.execute("SELECT 1")  # B holds a server connection in a transaction
+        with pytest.raises(psycopg.errors.InvalidSqlStatementName):
+            for i in range(3):
+                a.execute("SELECT %s::int + 1", (i,))
+        b.rollback()
+
+
+def test_with_the_option_the_same_sequence_works() -> None:
+    info = _conninfo(pgbouncer_url())
+    with (
+        psycopg.connect(info, autocommit=True, prepare_threshold=None) as a,
+        psycopg.connect(info) as b,
+    ):
+        for i in range(10):
+            a.execute("SELECT %s::int + 1", (i,))
+        b.execute("SELECT 1")
+        assert [a.execute("SELECT %s::int + 1", (i,)).fetchone() for i in range(3)] == [
+            (1,),
+            (2,),
+            (3,),
+        ]
+        b.rollback()
+
+
+def test_the_option_and_the_url_flag_turn_preparing_off(bounced: dcache.DB) -> None:
+    with bounced.engine.connect() as conn:
+        dbapi: Any = conn.connection.driver_connection
+        assert dbapi.prepare_threshold is None
+    flagged = dcache.DB.open(_plain(pgbouncer_url()), pgbouncer=True)
+    try:
+        with flagged.engine.connect() as conn:
+            assert conn.connection.driver_connection.prepare_threshold is None  # type: ignore[union-attr]
+    finally:
+        flagged.close()
+
+
+def test_the_url_flag_is_checked(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="true or false"):
+        dcache.DB.open(_plain(pgbouncer_url()) + "?pgbouncer=maybe")
+    with pytest.raises(ValueError, match="PostgreSQL"):
+        dcache.DB.open(f"sqlite:///{tmp_path / 's.sqlite3'}", pgbouncer=True)
+
+
+def test_many_runners_and_threads_through_the_bouncer_lose_nothing(bounced: dcache.DB) -> None:
+    """Three runners on one bouncer pool of 8 server connections, each statement run far
+    more than 5 times, racing submits from threads: every job done, every target once."""
+    seen: list[str] = []
+    lock = threading.Lock()
+
+    def fetch(target: batch.Target) -> Result:
+        with lock:
+            seen.append(target.url)
+        return Result(content=target.url)
+
+    cfg = batch.Config(jobs_per_caller=64, jobs_total=256)
+    stores = [dcache.DB.open(pgbouncer_url()) for _ in range(3)]
+    runners = [batch.Runner(s, fetch, cfg) for s in stores]
+    ids: list[str] = []
+    try:
+
+        def submit(r: int, n: int) -> None:
+            for j in range(6):
+                targets = [{"url": f"https://example.com/{r}/{n}/{j}/{i}"} for i in range(8)]
+                job_id, _ = runners[r].submit(f"caller{n}", "free", targets)
+                with lock:
+                    ids.append(job_id)
+
+        threads = [threading.Thread(target=submit, args=(r, n)) for r in range(3) for n in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT)
+        for job_id in ids:
+            final = next(r for r in runners).wait(job_id, timeout=WAIT)
+            assert final is not None and final.status == "done", final
+    finally:
+        for r in runners:
+            r.close()
+        for s in stores:
+            s.close()
+    assert len(ids) == 54
+    assert len(seen) == len(set(seen)) == 54 * 8
+
+
+def test_the_store_sends_nothing_session_level(bounced: dcache.DB) -> None:
+    """Every statement a runner's life sends is a query or transaction-scoped: no SET,
+    no PREPARE, no LISTEN, no session advisory lock (they would outlive the transaction
+    on a server connection that the next client gets)."""
+    sent: list[str] = []
+
+    @event.listens_for(bounced.engine, "before_cursor_execute")
+    def record(_c: Any, _cur: Any, statement: str, *_a: Any) -> None:
+        sent.append(statement)
+
+    with batch.Runner(bounced, lambda t: Result(content="x")) as runner:
+        job_id, _ = runner.submit(
+            "alice", "free", [{"url": f"https://example.com/{i}"} for i in range(12)]
+        )
+        assert runner.wait(job_id, timeout=WAIT) is not None
+        runner.cancel(job_id)
+        runner.status(job_id)
+    assert sent
+    session_level = ("SET ", "PREPARE", "LISTEN", "DISCARD", "RESET")
+    bad = [s for s in sent if s.lstrip().upper().startswith(session_level)]
+    bad += [s for s in sent if "pg_advisory_lock" in s or "pg_try_advisory_lock" in s]
+    assert not bad, bad
