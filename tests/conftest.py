@@ -15,6 +15,7 @@ from pathlib import Path
 import _pgbouncer
 import pytest
 from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
 
 import dcache
 
@@ -91,6 +92,29 @@ def _check_server(name: str) -> None:
         if REQUIRE_SERVERS:
             pytest.fail(why)
         pytest.skip(why)
+
+
+def database_beside(url: str, suffix: str) -> str:
+    """The server's database ``<url's database><suffix>``, created if missing; its URL."""
+    u = make_url(url)
+    name = f"{u.database}{suffix}"
+    admin = create_engine(
+        u.set(database="postgres") if u.get_backend_name() == "postgresql" else u,
+        isolation_level="AUTOCOMMIT",
+    )
+    try:
+        with admin.connect() as conn:
+            if u.get_backend_name() == "postgresql":
+                found = conn.execute(
+                    text("SELECT 1 FROM pg_database WHERE datname = :n"), {"n": name}
+                ).first()
+                if found is None:
+                    conn.execute(text(f'CREATE DATABASE "{name}"'))
+            else:
+                conn.execute(text(f"CREATE DATABASE IF NOT EXISTS `{name}`"))
+    finally:
+        admin.dispose()
+    return u.set(database=name).render_as_string(hide_password=False)
 
 
 def wipe(db: dcache.DB) -> None:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import REQUIRE_SERVERS, SERVER_URLS, database_beside
 from sqlalchemy import text
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,13 +38,32 @@ from bench._env import (  # noqa: E402
 TINY = Params(jobs=1, targets=4, samples=3, mem_targets=2, mem_result_bytes=2048, concurrent=2)
 
 
+def _bench_url(backend: str) -> str:
+    """The bench's own database beside the test database (``test`` -> ``test_bench``).
+
+    Created here if missing, as ``python -m bench`` expects a database of its own (it
+    empties the store's tables); ``BENCH_POSTGRES_URL``/``BENCH_MYSQL_URL`` still win.
+    """
+    configured = server_urls()[backend]
+    if backend == "postgresql" and "BENCH_POSTGRES_URL" in os.environ:
+        return configured
+    if backend == "mariadb" and "BENCH_MYSQL_URL" in os.environ:
+        return configured
+    try:
+        return database_beside(SERVER_URLS[backend], "_bench")
+    except Exception as exc:
+        if REQUIRE_SERVERS:
+            pytest.fail(f"cannot create the bench database on {backend}: {exc}")
+        pytest.skip(f"{backend} does not answer: {exc}")
+
+
 def _spec(tmp_path: Path, case: str, backend: str = "sqlite", **extra: object) -> Spec:
     be = BACKENDS[backend]
     if be.server:
-        url = server_urls()[backend]
+        url = _bench_url(backend)
         why = reachable(be.kind, url)
         if why is not None:
-            pytest.skip(f"{backend} at {url} does not answer: {why}")
+            pytest.fail(f"{backend} at {url} does not answer: {why}")
     else:
         url = f"sqlite:///{tmp_path / (case.replace('/', '-') + '.sqlite3')}"
     return Spec(case, backend, url, TINY, str(tmp_path), dict(extra))
