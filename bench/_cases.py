@@ -12,6 +12,7 @@ import os
 import resource
 import subprocess
 import sys
+import threading
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -303,7 +304,7 @@ def _reader(spec: Spec, variant: str) -> tuple[Callable[[str], Any], Callable[[]
 
 
 def concurrent(spec: Spec, variant: str) -> list[Row]:
-    """N jobs draining at once on one SQLite file vs the same N jobs drained one by one.
+    """N jobs draining at once vs the same N jobs drained one after another.
 
     Aggregate targets/s of each, interleaved twice; every "database is locked" the
     engine saw is counted (the runner would retry it silently).
@@ -331,7 +332,7 @@ def concurrent(spec: Spec, variant: str) -> list[Row]:
     seq = iter(range(1_000_000))
 
     def targets() -> list[dict[str, str]]:
-        return [{"url": u} for u in target_urls(f"c{next(seq)}", p.targets)]
+        return [{"url": u} for u in target_urls(f"c{next(seq)}", p.concurrent_targets)]
 
     def serial() -> float:
         t0 = time.perf_counter_ns()
@@ -361,11 +362,132 @@ def concurrent(spec: Spec, variant: str) -> list[Row]:
     finally:
         runner.close(timeout=30)
         db.close()
-    total = 2 * n * p.targets
+    total = 2 * n * p.concurrent_targets
     return [
         _row("concurrent/single", spec.backend, total / t_serial, "targets/s"),
         _row(f"concurrent/{n}-drains", spec.backend, total / t_together, "targets/s"),
         _row("concurrent/lock-errors", spec.backend, locked[0], "errors"),
+    ]
+
+
+# -- connections ----------------------------------------------------------------------
+
+
+def _connection_counter(spec: Spec) -> Callable[[], int]:
+    """How many connections the store has open right now, counted where they end.
+
+    Servers: the sessions on the bench database, from the server's own view (the
+    counter's own session left out). SQLite: this process's open descriptors of the
+    database file (one per connection).
+    """
+    import os
+
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    if not spec.be.server:
+        path = os.path.realpath(make_url(spec.url).database or "")
+
+        def count_fds() -> int:
+            n = 0
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    n += os.path.realpath(f"/proc/self/fd/{fd}") == path
+                except OSError:
+                    continue
+            return n
+
+        return count_fds
+    engine = create_engine(spec.url, pool_size=1, max_overflow=0)
+    if spec.be.kind == "postgresql":
+        sql = (
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+    else:
+        sql = (
+            "SELECT COUNT(*) FROM information_schema.PROCESSLIST "
+            "WHERE DB = DATABASE() AND ID <> CONNECTION_ID()"
+        )
+    conn = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+
+    def count_sessions() -> int:
+        return int(conn.execute(text(sql)).scalar_one())
+
+    return count_sessions
+
+
+def connections(spec: Spec, variant: str) -> list[Row]:
+    """Many live jobs in one process on a small pool: connections stay a small constant.
+
+    ``live_jobs`` jobs of ``live_targets`` targets, each fetch sleeping ``live_fetch_ms``,
+    all submitted at once to one runner whose store has ``pool_size=4, max_overflow=0``.
+    Drains hold no connection (the store's group writer writes for them), so every job
+    must end ``done`` with no checkout timeout, nothing reaped, and the connections the
+    server sees must stay at the pool's 4 plus the heartbeat's and the writer's one each.
+    """
+    import logging
+
+    import batch
+    import dcache
+
+    p = spec.params
+    _fresh(spec)
+    pause = p.live_fetch_ms / 1000
+
+    def fetch(_t: Any) -> batch.Result:
+        time.sleep(pause)
+        return batch.Result("ok")
+
+    problems: list[str] = []
+
+    class Count(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            problems.append(record.getMessage())
+
+    handler = Count(logging.WARNING)
+    for name in ("batch", "dcache"):
+        logging.getLogger(name).addHandler(handler)
+    db = dcache.DB.open(
+        spec.url, synchronous=spec.be.synchronous, pool_size=4, max_overflow=0, pool_timeout=5
+    )
+    cfg = batch.Config(jobs_total=p.live_jobs, jobs_per_caller=p.live_jobs)
+    runner = batch.Runner(db, fetch, cfg)
+    count = _connection_counter(spec)
+    peak = [count()]
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], count())
+            stop.wait(0.01)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        t0 = time.perf_counter_ns()
+        ids = [
+            runner.submit(
+                f"c{j % 16}", "bench", [{"url": u} for u in target_urls(f"l{j}", p.live_targets)]
+            )[0]
+            for j in range(p.live_jobs)
+        ]
+        finals = [runner.wait(jid, timeout=p.timeout) for jid in ids]
+        elapsed = (time.perf_counter_ns() - t0) / 1e9
+    finally:
+        stop.set()
+        watcher.join(5)
+        runner.close(timeout=30)
+        db.close()
+        for name in ("batch", "dcache"):
+            logging.getLogger(name).removeHandler(handler)
+    not_done = sum(1 for f in finals if f is None or f.status != "done")
+    total = p.live_jobs * p.live_targets
+    return [
+        _row("connections/peak", spec.backend, peak[0], "connections"),
+        _row("connections/not-done", spec.backend, not_done, "jobs"),
+        _row("connections/problems", spec.backend, len(problems), "warnings"),
+        _row("connections/throughput", spec.backend, total / elapsed, "targets/s"),
     ]
 
 
@@ -548,6 +670,7 @@ CASES: dict[str, Callable[[Spec, str], list[Row]]] = {
     "submit": submit,
     "status": status,
     "concurrent": concurrent,
+    "connections": connections,
     "growth": growth,
     "prepare": prepare_growth,
     "memory": memory,

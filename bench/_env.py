@@ -61,7 +61,11 @@ class Params:
     prefill_small: int = 1_000
     mem_targets: int = 32
     mem_result_bytes: int = 1 << 20
-    concurrent: int = 8  # jobs draining at once on one SQLite file
+    concurrent: int = 8  # jobs draining at once (concurrent rows)
+    concurrent_targets: int = 32  # targets of each of those jobs (the per-job cap)
+    live_jobs: int = 256  # jobs live at once in one process (connections rows)
+    live_targets: int = 8  # targets of each of those jobs
+    live_fetch_ms: float = 50.0  # each of their fetches sleeps this long
     timeout: float = 900.0  # seconds one measurement process may take
 
     def to_json(self) -> dict[str, Any]:

@@ -35,7 +35,18 @@ from bench._env import (  # noqa: E402
     wipe,
 )
 
-TINY = Params(jobs=1, targets=4, samples=3, mem_targets=2, mem_result_bytes=2048, concurrent=2)
+TINY = Params(
+    jobs=1,
+    targets=4,
+    samples=3,
+    mem_targets=2,
+    mem_result_bytes=2048,
+    concurrent=2,
+    concurrent_targets=4,
+    live_jobs=24,
+    live_targets=2,
+    live_fetch_ms=20,
+)
 
 
 def _bench_url(backend: str) -> str:
@@ -119,6 +130,27 @@ def test_growth_prefill_and_measurement(tmp_path: Path, monkeypatch: pytest.Monk
         assert len(db.list_jobs(limit=1000)) == 100 // 32 + 1  # the prefill only
     finally:
         db.close()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql", "mariadb"])
+def test_many_live_jobs_on_a_small_pool_keep_connections_constant(
+    backend: str, tmp_path: Path
+) -> None:
+    """The connections rows at toy size, on every backend: all done, nothing logged, and
+    the connections counted where they end stay within the pool's 4 plus 2."""
+    rows = {
+        r["row"]: r["value"] for r in _cases.run(_spec(tmp_path, "connections/runner", backend))
+    }
+    assert rows["connections/not-done"] == 0
+    assert rows["connections/problems"] == 0
+    assert 1 <= rows["connections/peak"] <= 6, rows
+    assert rows["connections/throughput"] > 0
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_concurrent_drains_run_on_the_servers_too(backend: str, tmp_path: Path) -> None:
+    rows = {r["row"] for r in _cases.run(_spec(tmp_path, "concurrent/runner", backend))}
+    assert rows == {"concurrent/single", "concurrent/2-drains", "concurrent/lock-errors"}
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql", "mariadb"])
