@@ -32,8 +32,11 @@ from ._values import (
     idem_key,
     normalize_targets,
 )
+from ._webhooks import SCHEDULE as WEBHOOK_SCHEDULE
+from ._webhooks import Webhooks, sign
 
 __all__ = [
+    "WEBHOOK_SCHEDULE",
     "BusyError",
     "CallerBusyError",
     "Config",
@@ -53,10 +56,12 @@ __all__ = [
     "Target",
     "TargetStatus",
     "TooManyTargetsError",
+    "Webhooks",
     "canonical",
     "client_idem_key",
     "events",
     "idem_key",
     "new_job_id",
     "normalize_targets",
+    "sign",
 ]

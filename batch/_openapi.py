@@ -82,7 +82,30 @@ _SCHEMAS: dict[str, Any] = {
                 "items": _ref("Target"),
                 "description": "Distinct targets, at most the server's targets_per_job "
                 "(32 by default).",
-            }
+            },
+            "notify": {
+                "type": "object",
+                "required": ["url"],
+                "properties": {"url": {"type": "string", "minLength": 1, "maxLength": 2048}},
+                "additionalProperties": False,
+                "description": "Where to announce the job's end: a signed webhook "
+                "(Standard Webhooks) POSTed there once the job ends, retried for about a "
+                "day. Needs webhooks enabled on the server; loopback, private and "
+                "link-local addresses are refused unless the server allows them.",
+            },
+        },
+        "additionalProperties": False,
+    },
+    "Notification": {
+        "type": "object",
+        "required": ["id", "url", "status", "attempts", "next_attempt_at", "last_answer"],
+        "properties": {
+            "id": {"type": "string", "description": "The webhook-id of every attempt."},
+            "url": {"type": "string"},
+            "status": {"type": "string", "enum": ["pending", "delivered", "failed"]},
+            "attempts": {"type": "integer", "minimum": 0},
+            "next_attempt_at": {"type": ["string", "null"], "format": "date-time"},
+            "last_answer": {"type": "string"},
         },
         "additionalProperties": False,
     },
@@ -175,6 +198,7 @@ _SCHEMAS: dict[str, Any] = {
         "required": ["job", "targets"],
         "properties": {
             "job": _ref("Job"),
+            "notification": _ref("Notification"),
             "targets": {"type": "array", "items": _ref("TargetStatus")},
         },
         "additionalProperties": False,

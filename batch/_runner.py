@@ -55,6 +55,7 @@ from ._values import (
     normalize_targets,
     payload_key,
 )
+from ._webhooks import Sender, Webhooks
 from .events import (
     Event,
     EventBus,
@@ -205,6 +206,12 @@ class Runner:
         monotonic: the monotonic time source (seconds) that owner liveness is judged
             by; tests inject one.
         observers: subscribers to the runner's event stream (see :meth:`subscribe`).
+        webhooks: how to sign and send job-end webhooks (:class:`batch.Webhooks`): jobs
+            submitted with ``notify=URL`` are announced when they end, from the store's
+            outbox, by this runner's sender thread or any other live runner's.
+        on_finish: ``on_finish(job)`` once per job end this process observes (a drain
+            here ending, whatever ended it), after the commit, on the event dispatcher
+            thread; best-effort (a crash loses it): the webhook is the durable path.
 
     Building a runner registers it as a live *owner* with a heartbeat. Its maintenance
     thread watches every other owner's beat counter and fails, with error
@@ -223,8 +230,11 @@ class Runner:
         clock: Callable[[], dt.datetime] | None = None,
         monotonic: Callable[[], float] | None = None,
         observers: Sequence[Subscriber] = (),
+        webhooks: Webhooks | None = None,
+        on_finish: Callable[[Job], object] | None = None,
     ) -> None:
         self._db = db
+        self._webhooks = webhooks
         self._fetch = fetch
         self._config = config if config is not None else Config()
         self._log = log if log is not None else logging.getLogger("batch")
@@ -259,9 +269,29 @@ class Runner:
         self._maintain_thread = threading.Thread(
             target=self._maintain_loop, name=f"batch-maintain-{self.owner[:8]}", daemon=True
         )
+        self._sender = Sender(self, webhooks) if webhooks is not None else None
+        if self._sender is not None:
+            self._events.subscribe(self._wake_sender)
+        if on_finish is not None:
+            self._events.subscribe(self._finished_hook(on_finish))
         self._events.start()
         self._beat_thread.start()
         self._maintain_thread.start()
+        if self._sender is not None:
+            self._sender.start()
+
+    def _wake_sender(self, event: Event) -> None:
+        if isinstance(event, (JobFinished, JobCancelled)) and self._sender is not None:
+            self._sender.wake.set()
+
+    def _finished_hook(self, on_finish: Callable[[Job], object]) -> Subscriber:
+        def subscriber(event: Event) -> None:
+            if isinstance(event, JobFinished):
+                job = self.job(event.job_id)
+                if job is not None:
+                    on_finish(job)
+
+        return subscriber
 
     @property
     def config(self) -> Config:
@@ -314,6 +344,7 @@ class Runner:
         targets: Sequence[Any],
         *,
         idempotency_key: str | None = None,
+        notify: str | None = None,
     ) -> tuple[str, bool]:
         """Submit a job and start draining it; return ``(job_id, reused)``.
 
@@ -326,6 +357,10 @@ class Runner:
         header), the key instead of the content decides: the same caller and key return
         the same job, and the same key with different targets is refused.
 
+        With ``notify`` (a URL; the runner needs ``webhooks=``), the job's end is
+        announced there by a signed webhook (see :class:`batch.Webhooks`); it is not part
+        of the submission's identity (a reused job keeps its own).
+
         Raises:
             InvalidTargetsError: the targets, caller, caller class or key are malformed.
             IdempotencyKeyMismatchError: the key was used for different targets.
@@ -336,7 +371,7 @@ class Runner:
             dcache.StoreError: the database failed (``StoreUnavailableError``: retry).
         """
         job, reused = self.submit_job(
-            caller, caller_class, targets, idempotency_key=idempotency_key
+            caller, caller_class, targets, idempotency_key=idempotency_key, notify=notify
         )
         return job.id, reused
 
@@ -347,13 +382,14 @@ class Runner:
         targets: Sequence[Any],
         *,
         idempotency_key: str | None = None,
+        notify: str | None = None,
     ) -> tuple[Job, bool]:
         """As :meth:`submit`, returning the job itself as the submit transaction saw it.
 
         For an HTTP layer that answers with the job: no second read.
         """
         try:
-            row, reused = self._submit(caller, caller_class, targets, idempotency_key)
+            row, reused = self._submit(caller, caller_class, targets, idempotency_key, notify)
         except (SubmitError, StoreError, RunnerClosedError) as exc:
             self._emit(
                 SubmissionRefused(
@@ -380,9 +416,16 @@ class Runner:
         caller_class: str,
         targets: Sequence[Any],
         idempotency_key: str | None,
+        notify: str | None = None,
     ) -> tuple[JobRow, bool]:
         if self._closed:
             raise RunnerClosedError("the runner is closed and takes no more submissions")
+        if notify is not None:
+            if self._webhooks is None:
+                raise InvalidTargetsError(
+                    "notifications are not enabled (Runner(webhooks=...))", field="notify"
+                )
+            notify = self._webhooks.check_url(notify)
         for value, what in ((caller, "caller"), (caller_class, "caller_class")):
             try:
                 check_text(value, what, limit=MAX_CALLER_LENGTH)
@@ -426,6 +469,7 @@ class Runner:
                 payload=payload,
                 idempotency_key=idempotency_key,
                 now=now,
+                notify=notify,
             )
         finally:
             entry.submitting = False  # if it is still unresolved, maintenance settles it
@@ -442,6 +486,7 @@ class Runner:
         payload: str,
         idempotency_key: str | None,
         now: dt.datetime,
+        notify: str | None,
     ) -> tuple[JobRow, bool]:
         """Submit a new job (``_submit``'s second half); ``entry`` marks it unresolved."""
         cfg = self._config
@@ -458,6 +503,7 @@ class Runner:
             owner=self.owner,
             now=now,
             payload_key=payload,
+            notify_url=notify,
         )
         if outcome.kind != "created":
             with self._lock:
@@ -1139,6 +1185,26 @@ class Runner:
         finally:
             unsubscribe()
 
+    # -- job-end notifications (webhooks) ----------------------------------------------
+
+    def notification(self, job_id: str) -> dcache.NotificationRow | None:
+        """The job's end notification (pending, delivered or failed), or ``None``."""
+        if not _plausible_id(job_id):
+            return None
+        return self._db.notification(job_id)
+
+    def redeliver(self, job_id: str) -> bool:
+        """Send the job's delivered or failed notification again, now (same webhook id).
+
+        False when the job has none, or it is still pending (it will be sent anyway).
+        """
+        if not _plausible_id(job_id):
+            return False
+        won = self._db.redeliver(job_id, now=self._clock())
+        if won and self._sender is not None:
+            self._sender.wake.set()
+        return won
+
     # -- owner heartbeat, reaping, purging ----------------------------------------------
 
     def check_owners(self) -> int:
@@ -1276,6 +1342,8 @@ class Runner:
             if d.done.is_set():
                 _join(d.thread, None)
         self._stopping.set()
+        if self._sender is not None:
+            self._sender.stop()
         _join(self._beat_thread, time.monotonic() + 5)
         _join(self._maintain_thread, time.monotonic() + 5)
         self._retry_abandoned()

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import attrs
 
 __all__ = [
+    "DeliveryAttempted",
     "Event",
     "EventBus",
     "JobCancelled",
@@ -109,6 +110,25 @@ class JobsReaped:
 
 
 @attrs.frozen
+class DeliveryAttempted:
+    """This runner tried to deliver a job's end notification (a webhook).
+
+    ``outcome`` is ``"delivered"``, ``"pending"`` (to be retried) or ``"failed"`` (given
+    up); ``http_status`` is 0 when no answer came; ``recorded`` is False when the
+    sender's claim had lapsed and another sender owned the row by then.
+    """
+
+    at: dt.datetime
+    job_id: str
+    webhook_id: str
+    attempt: int
+    outcome: str
+    http_status: int
+    seconds: float
+    recorded: bool
+
+
+@attrs.frozen
 class StoreFailed:
     """A store operation failed (``transient``: the kind a retry may cure)."""
 
@@ -125,6 +145,7 @@ Event = (
     | JobFinished
     | JobCancelled
     | JobsReaped
+    | DeliveryAttempted
     | StoreFailed
 )
 """Any one of the events above (a union of the event classes)."""

@@ -213,10 +213,12 @@ class BatchAPI:
         return key
 
     def _submit(
-        self, caller: str, caller_class: str, targets: Any, key: str | None
+        self, caller: str, caller_class: str, targets: Any, key: str | None, notify: str | None
     ) -> tuple[Job, bool]:
         try:
-            return self.runner.submit_job(caller, caller_class, targets, idempotency_key=key)
+            return self.runner.submit_job(
+                caller, caller_class, targets, idempotency_key=key, notify=notify
+            )
         except IdempotencyKeyMismatchError:
             raise APIError(
                 422,
@@ -297,14 +299,15 @@ class BatchAPI:
                 'the body must be a JSON object {"targets": [...]}',
                 context={"field": ""},
             )
-        unknown = sorted(str(k) for k in payload if k != "targets")
+        unknown = sorted(str(k) for k in payload if k not in ("targets", "notify"))
         if unknown:
             raise APIError(
                 422,
                 "invalid_request",
-                f"unknown field {unknown[0]!r} (known: targets)",
+                f"unknown field {unknown[0]!r} (known: targets, notify)",
                 context={"field": unknown[0]},
             )
+        notify = _notify_url(payload.get("notify"))
         if "targets" not in payload:
             raise APIError(
                 422, "invalid_request", "the body has no targets", context={"field": "targets"}
@@ -312,10 +315,21 @@ class BatchAPI:
         key = self._idempotency_key()
         self._precheck(payload["targets"])
         # The answer is the job row the submit transaction already has: no second read.
-        job, reused = self._submit(caller, caller_class, payload["targets"], key)
+        job, reused = self._submit(caller, caller_class, payload["targets"], key, notify)
         resp = _json({"job": _job_json(job), "reused": bool(reused)}, 202)
         resp.headers["Location"] = url_for(".job", job_id=job.id)
         return resp
+
+    def _notification(self, status: RawStatus) -> bytes:
+        """``,"notification":{...}`` for an ended job that has one (one keyed read)."""
+        if status.job.finished_at is None and status.job.status in ("queued", "running"):
+            return b""  # a live job has none yet: polls of running jobs pay nothing
+        try:
+            note = self.runner.notification(status.job.id)
+        except BaseException:
+            status.close()
+            raise
+        return b',"notification":' + jsonenc.dumps(note.to_json()) if note is not None else b""
 
     def _missing(self, job_id: str, caller: str) -> APIError:
         """404, or 410 when the caller's own job has expired (its tombstone says so)."""
@@ -364,7 +378,7 @@ class BatchAPI:
         if status.job.caller != caller:  # ownership, judged on the same read
             status.close()
             raise self._missing(job_id, caller)
-        return _status_response(status, _etag(status.job, results))
+        return _status_response(status, _etag(status.job, results), self._notification(status))
 
     def _get_target(self, job_id: str, idx: str) -> Response:
         caller, _ = self._caller()
@@ -520,10 +534,25 @@ def _target_parts(target: dcache.TargetRow, *, brief: bool) -> tuple[bytes, byte
     return head, result, b"".join(tail)
 
 
-def _status_chunks(status: RawStatus, brief: bool) -> Iterator[bytes]:
+def _notify_url(value: object) -> str | None:
+    """The body's ``"notify": {"url": ...}`` (checked further by the runner), or None."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"url"} or not isinstance(value["url"], str):
+        raise APIError(
+            422,
+            "invalid_request",
+            'notify must be an object {"url": "https://..."}',
+            context={"field": "notify"},
+        )
+    return value["url"]
+
+
+def _status_chunks(status: RawStatus, brief: bool, notification: bytes = b"") -> Iterator[bytes]:
     """The status document, a few pieces per target, reading targets as it goes."""
     with status:
-        yield b'{"job":' + jsonenc.dumps(_job_json(status.job)) + b',"targets":['
+        job = jsonenc.dumps(_job_json(status.job))
+        yield b'{"job":' + job + notification + b',"targets":['
         sep = b""
         for target in status:
             head, result, tail = _target_parts(target, brief=brief)
@@ -536,9 +565,9 @@ def _status_chunks(status: RawStatus, brief: bool) -> Iterator[bytes]:
         yield b"]}"
 
 
-def _status_response(status: RawStatus, tag: str) -> Response:
+def _status_response(status: RawStatus, tag: str, notification: bytes = b"") -> Response:
     """The status answer: whole when small, else streamed target by target."""
-    chunks = _status_chunks(status, brief=_brief(status))
+    chunks = _status_chunks(status, brief=_brief(status), notification=notification)
     head: list[bytes] = []
     size = 0
     for chunk in chunks:

@@ -220,10 +220,11 @@ class ImmediateRunner(Runner):
         targets: Sequence[Any],
         *,
         idempotency_key: str | None = None,
+        notify: str | None = None,
     ) -> tuple[Job, bool]:
         """As :meth:`batch.Runner.submit_job`, the job read again once drained."""
         job, reused = super().submit_job(
-            caller, caller_class, targets, idempotency_key=idempotency_key
+            caller, caller_class, targets, idempotency_key=idempotency_key, notify=notify
         )
         # The submit transaction's row predates the drain this submit ran: the HTTP
         # layer answers with the job, and here it is already finished.

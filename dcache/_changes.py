@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection, and_, or_, select, update
 
 from ._errors import wrap_errors
+from ._outbox import queue_notification
 from ._rows import WriteOutcome
 from ._schema import LIVE, Status, jobs
 from ._shared import CANCELLED, aware_now, findable
@@ -88,6 +89,8 @@ class JobChanges:
                 .where(jobs.c.id == job_id, jobs.c.status.in_(LIVE))
                 .values(status=CANCELLED, updated_at=now, expires_at=now + ttl)
             ).rowcount
+            if won == 1:
+                queue_notification(conn, job_id, now)  # the job's end, in its transaction
         return bool(won == 1)
 
     @wrap_errors
@@ -137,6 +140,8 @@ class JobChanges:
         won = conn.execute(
             update(jobs).where(jobs.c.id == job_id, jobs.c.status.in_(LIVE)).values(**values)
         ).rowcount
+        if won == 1:
+            queue_notification(conn, job_id, now)  # the job's end, in its transaction
         return bool(won == 1)
 
     @staticmethod

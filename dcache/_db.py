@@ -22,6 +22,7 @@ from ._changes import JobChanges
 from ._ddl import SchemaSetup
 from ._engine import WRITE_OPTION, prepare_engine
 from ._errors import ResultTooLargeError, StoreError, wrap_errors
+from ._outbox import OutboxQueries
 from ._prepared import Prepared
 from ._queries import JobReads
 from ._reads import WebReads
@@ -122,7 +123,16 @@ class _PoolOfItsOwn(OptionEngine):
         self.pool.dispose()
 
 
-class DB(SchemaSetup, SubmitQueries, JobReads, WebReads, JobChanges, Upkeep, AdminQueries):
+class DB(
+    SchemaSetup,
+    SubmitQueries,
+    JobReads,
+    WebReads,
+    JobChanges,
+    Upkeep,
+    OutboxQueries,
+    AdminQueries,
+):
     """The durable store for batch jobs, on SQLite, PostgreSQL or MySQL/MariaDB.
 
     Build it with :meth:`open` (the store owns and disposes the engine), :meth:`memory`

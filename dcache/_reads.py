@@ -23,6 +23,7 @@ import attrs
 from sqlalchemy import Connection, CursorResult, bindparam, select, update
 
 from ._errors import is_store_failure, translate, wrap_errors
+from ._outbox import queue_notification
 from ._prepared import Prepared
 from ._rows import JobRow, TargetRow
 from ._schema import LIVE, UTCDateTime, jobs
@@ -243,6 +244,8 @@ class WebReads:
                 .where(jobs.c.id == job_id, jobs.c.status.in_(LIVE))
                 .values(status="cancelled", updated_at=now, expires_at=expires)
             ).rowcount
+            if won == 1:
+                queue_notification(conn, job_id, now)  # the job's end, in its transaction
         if won != 1:  # cannot happen under the row lock; answer what is known
             return False, job
         return True, attrs.evolve(job, status="cancelled", updated_at=now, expires_at=expires)

@@ -13,6 +13,7 @@ __all__ = [
     "JobRow",
     "Lookup",
     "NewTarget",
+    "NotificationRow",
     "OwnerRow",
     "SubmitOutcome",
     "TargetRow",
@@ -48,6 +49,7 @@ class JobRow:
     expires_at: dt.datetime
     finished_at: dt.datetime | None
     payload_key: str | None = None
+    notify_url: str | None = None  # where the job's end is announced (a webhook)
 
 
 @attrs.frozen
@@ -64,6 +66,42 @@ class TargetRow:
     updated_at: dt.datetime | None
     # The stored result's size in UTF-8 bytes, when the read left the result out.
     result_bytes: int | None = None
+
+
+@attrs.frozen
+class NotificationRow:
+    """A job's end notification in the outbox (see ``dcache._outbox``).
+
+    ``status`` is ``pending`` (``next_attempt_at`` says when), ``delivered`` or
+    ``failed`` (given up); ``last_answer`` is what the last attempt got (an HTTP status
+    and the start of the body, or the error).
+    """
+
+    id: str
+    job_id: str
+    caller: str
+    url: str
+    job_status: str
+    status: str
+    attempts: int
+    next_attempt_at: dt.datetime
+    claimed_by: str
+    last_answer: str
+    created_at: dt.datetime
+    updated_at: dt.datetime
+
+    def to_json(self) -> dict[str, object]:
+        """The state a poll shows: status, attempts, next attempt, last answer."""
+        return {
+            "id": self.id,
+            "url": self.url,
+            "status": self.status,
+            "attempts": self.attempts,
+            "next_attempt_at": (
+                self.next_attempt_at.isoformat() if self.status == "pending" else None
+            ),
+            "last_answer": self.last_answer,
+        }
 
 
 @attrs.frozen

@@ -41,6 +41,7 @@ __all__ = [
     "locks",
     "meta",
     "metadata",
+    "outbox",
     "owners",
     "result_bytes",
     "targets",
@@ -186,6 +187,8 @@ jobs = Table(
     # sha256 of the canonical targets: a client key reused for other targets is told by
     # one comparison, without reading them (NULL in rows from before it existed).
     Column("payload_key", String(64), nullable=True),
+    # Where to announce the job's end (a webhook URL), NULL for none: see batch_outbox.
+    Column("notify_url", Text, nullable=True),
     Index("ix_batch_job_idem", "caller", "idem_key"),
     Index("ix_batch_job_caller_status", "caller", "status"),
     Index("ix_batch_job_status", "status"),
@@ -240,6 +243,30 @@ tombstones = Table(
     Column("caller", String(KEY), nullable=False),
     Column("expired_at", UTCDateTime, nullable=False),
     Index("ix_batch_tombstone_expired", "expired_at"),
+    **_MYSQL,
+)
+
+
+# The transactional outbox: one row per job end to announce, inserted by the same
+# transaction that sets the terminal status (dcache._outbox); senders claim due rows.
+outbox = Table(
+    "batch_outbox",
+    metadata,
+    Column("id", String(64), primary_key=True),  # the webhook-id, stable over attempts
+    Column("job_id", String(64), nullable=False),
+    Column("caller", String(KEY), nullable=False),
+    Column("url", Text, nullable=False),
+    Column("job_status", String(16), nullable=False),
+    Column("status", String(16), nullable=False),  # pending, delivered, failed
+    Column("attempts", Integer, nullable=False, default=0),
+    Column("next_attempt_at", UTCDateTime, nullable=False),
+    Column("claimed_by", String(64), nullable=False, default=""),
+    Column("claimed_until", UTCDateTime, nullable=True),
+    Column("last_answer", Text, nullable=False, default=""),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("updated_at", UTCDateTime, nullable=False),
+    Index("ix_batch_outbox_due", "status", "next_attempt_at"),
+    Index("ix_batch_outbox_job", "job_id"),
     **_MYSQL,
 )
 

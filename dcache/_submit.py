@@ -73,6 +73,7 @@ class SubmitQueries:
         owner: str = "",
         now: dt.datetime | None = None,
         payload_key: str | None = None,
+        notify_url: str | None = None,
     ) -> SubmitOutcome:
         """Decide a submission atomically.
 
@@ -104,6 +105,7 @@ class SubmitQueries:
                         owner=owner,
                         now=now,
                         payload_key=payload_key,
+                        notify_url=notify_url,
                     )
             except _LockRowRace:
                 continue
@@ -125,6 +127,7 @@ class SubmitQueries:
         owner: str,
         now: dt.datetime,
         payload_key: str | None,
+        notify_url: str | None,
     ) -> SubmitOutcome:
         if conn.execute(_Q_LOCK, {"n": caller_lock}).first() is None:
             # First submit of this caller: create its lock row. Inserting locks it for the
@@ -160,6 +163,7 @@ class SubmitQueries:
             "expires_at": now + ttl,
             "finished_at": None,
             "payload_key": payload_key,
+            "notify_url": notify_url,
         }
         conn.execute(insert(jobs), [job])
         conn.execute(

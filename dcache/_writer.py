@@ -31,6 +31,7 @@ from sqlalchemy import exc as sa_exc
 
 from . import _sql
 from ._errors import StoreError, translate
+from ._outbox import message_id, notify_statement
 from ._prepared import Prepared
 from ._rows import WriteOutcome
 from ._schema import LIVE, UTCDateTime, jobs, targets
@@ -136,6 +137,7 @@ class GroupWriter:
         self._target = Prepared(target, dialect)
         self._job = Prepared(job, dialect, result_types)
         self._read = Prepared(read, dialect, result_types)
+        self._notify = Prepared(notify_statement(), dialect)
         self._leader = threading.Lock()  # held by the thread committing a batch
         self._queued_lock = threading.Lock()  # guards _queued only
         self._queued: list[_Outcome] = []
@@ -317,6 +319,11 @@ class GroupWriter:
             _, fetch = run(self._read, values)
         row = fetch()
         assert row is not None, "a target's job row is missing"
+        if row[0] not in LIVE:
+            # This write ended the job (or found it ended): its announcement, if it has a
+            # URL and none is queued yet, commits with it (see dcache._outbox).
+            notify = {"job_id": values["job_id"], "msg_id": message_id(values["job_id"])}
+            run(self._notify, {**notify, "now": values["now"]})
         return WriteOutcome(True, row[0], finished=row[1] is not None)
 
 

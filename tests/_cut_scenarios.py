@@ -27,7 +27,8 @@ from sqlalchemy import delete, insert, select
 
 import batch
 import dcache
-from dcache._schema import GLOBAL_LOCK, jobs, locks, owners, targets, tombstones
+from dcache._outbox import message_id
+from dcache._schema import GLOBAL_LOCK, jobs, locks, outbox, owners, targets, tombstones
 
 OWNER_LIVE = "owner-live"  # beats "now" and declares itself alive for an hour
 OWNER_DEAD = "owner-dead"  # stopped beating two hours ago
@@ -64,6 +65,7 @@ def prepare(db: dcache.DB, now: dt.datetime) -> None:
             jobs_total=100,
             owner=owner,
             now=at,
+            notify_url=f"https://hooks.example/{job_id}",  # every job end queues its row
         )
         assert out.kind == "created", out
 
@@ -92,11 +94,29 @@ def prepare(db: dcache.DB, now: dt.datetime) -> None:
     submit(J_PARTIAL, 2, OWNER_LIVE, now - 30 * sec)
     write(J_PARTIAL, 0, now - 29 * sec, status="done", result=json.dumps({"content": BIG}))
     write(J_PARTIAL, 1, now - 28 * sec, status="failed", error="nope")
+    # The ended jobs' notifications: claimed by the live owner for a minute (a claim
+    # scenario two minutes on finds them lapsed), one of them delivered already.
+    claimed = db.claim_notifications(OWNER_LIVE, now=now, lease=60 * sec)
+    assert {r.job_id for r in claimed} == {J_LAPSED, J_CANCEL, J_PARTIAL}, claimed
+    assert db.record_attempt(
+        message_id(J_CANCEL),
+        OWNER_LIVE,
+        outcome="delivered",
+        answer="HTTP 200",
+        now=now - 100 * sec,
+    )
 
 
 # -- the state of the whole store, exactly ------------------------------------------------
 
-TABLES = (locks, owners, jobs, targets, tombstones)  # in insert order (targets refer to jobs)
+TABLES = (
+    locks,
+    owners,
+    jobs,
+    targets,
+    tombstones,
+    outbox,
+)  # in insert order (targets refer to jobs)
 Snapshot = tuple[tuple[tuple[Any, ...], ...], ...]
 
 
@@ -113,6 +133,7 @@ def restore(db: dcache.DB, snap: Snapshot) -> None:
         conn.execute(delete(jobs))
         conn.execute(delete(owners))
         conn.execute(delete(tombstones))
+        conn.execute(delete(outbox))
         conn.execute(delete(locks).where(locks.c.name != GLOBAL_LOCK))
         for table, rows in zip(TABLES, snap):
             keep = [dict(zip(table.c.keys(), r)) for r in rows]
@@ -229,6 +250,22 @@ STORE: dict[str, StoreScenario] = {
     ),
     "DB.get_target": StoreScenario(lambda db, c: db.get_target(J_PARTIAL, 0, now=c.now)),
     "DB.lookup": StoreScenario(lambda db, c: db.lookup(J_PARTIAL, now=c.now)),
+    # The outbox: claims of lapsed claims, an attempt of a claimed row, a re-send.
+    "DB.claim_notifications": StoreScenario(
+        lambda db, c: db.claim_notifications("owner-other", now=c.now + dt.timedelta(minutes=2))
+    ),
+    "DB.record_attempt": StoreScenario(
+        lambda db, c: db.record_attempt(
+            message_id(J_PARTIAL),
+            OWNER_LIVE,
+            outcome="pending",
+            answer="HTTP 500",
+            next_attempt_at=c.now + dt.timedelta(seconds=5),
+            now=c.now,
+        )
+    ),
+    "DB.notification": StoreScenario(lambda db, c: db.notification(J_PARTIAL)),
+    "DB.redeliver": StoreScenario(lambda db, c: db.redeliver(J_CANCEL, now=c.now)),
     "DB.owners": StoreScenario(lambda db, c: db.owners()),
     # The dead owner, judged by its token as seen now: its live jobs are failed.
     "DB.reap_owners": StoreScenario(_reap_owners),

@@ -124,6 +124,7 @@ def wipe(db: dcache.DB) -> None:
         conn.execute(text("DELETE FROM batch_job"))
         conn.execute(text("DELETE FROM batch_owner"))
         conn.execute(text("DELETE FROM batch_tombstone"))
+        conn.execute(text("DELETE FROM batch_outbox"))
         conn.execute(text("DELETE FROM batch_lock WHERE name <> 'global'"))
 
 

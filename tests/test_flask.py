@@ -3,6 +3,7 @@ against the OpenAPI document the app serves."""
 
 from __future__ import annotations
 
+import datetime as dt
 import io
 import json
 import re
@@ -179,8 +180,13 @@ def fetch() -> Iterator[GatedFetch]:
 
 
 def _factory(db: dcache.DB, fetch: GatedFetch, made: list[batch.Runner]) -> Make:
-    def make(config: batch.Config | None = None, clock: Any = None, **options: Any) -> Any:
-        runner = batch.Runner(db, fetch, config, clock=clock)
+    def make(
+        config: batch.Config | None = None,
+        clock: Any = None,
+        webhooks: batch.Webhooks | None = None,
+        **options: Any,
+    ) -> Any:
+        runner = batch.Runner(db, fetch, config, clock=clock, webhooks=webhooks)
         made.append(runner)
         app = Flask("test_app")
         app.testing = True
@@ -712,3 +718,87 @@ def test_early_refusal_follows_the_fetchers_own_policy(fetcher_api: Callable[...
     assert names.post([{"url": "http://localhost:9/"}], caller="c").status_code == 202
     # Malformed lists still get the usual invalid_targets answer.
     _error(names.post([{"url": ""}], caller="d"), 422, "invalid_targets")
+
+
+# -- job-end webhooks (issue 14) --------------------------------------------------------------
+
+
+def test_post_with_notify_announces_the_end_and_get_shows_the_notification(
+    make_all: Make,
+) -> None:
+    from test_webhooks import SECRET, Receiver, poll
+
+    receiver = Receiver([500])
+    try:
+        hooks = batch.Webhooks(
+            secret=SECRET, allow=["127.0.0.1"], schedule=(dt.timedelta(0),), poll=0.05
+        )
+        api, runner = make_all(webhooks=hooks)
+        body = {"targets": [{"url": "test://ok/1"}], "notify": {"url": receiver.url}}
+        resp = api.post(json=body)
+        assert resp.status_code == 202, resp.get_data(as_text=True)
+        job_id = resp.get_json()["job"]["id"]
+
+        def delivered() -> Any:
+            doc = api.get(job_id).get_json()
+            note = doc.get("notification")
+            return doc if note and note["status"] == "delivered" else None
+
+        doc = poll(delivered)
+        note = doc["notification"]
+        assert (note["attempts"], note["next_attempt_at"]) == (2, None)
+        assert note["last_answer"].startswith("HTTP 200")
+        assert len(receiver.seen) == 2
+        assert {h["webhook-id"] for h, _ in receiver.seen} == {note["id"]}
+        sent = json.loads(receiver.seen[-1][1])
+        assert sent["job"] == doc["job"] and sent["type"] == "job.finished"
+    finally:
+        receiver.close()
+
+
+def test_a_running_job_shows_no_notification_and_one_without_notify_neither(
+    make_all: Make, fetch: GatedFetch
+) -> None:
+    from test_webhooks import SECRET
+
+    api, runner = make_all(webhooks=batch.Webhooks(secret=SECRET, allow=["127.0.0.1"]))
+    resp = api.post(
+        json={"targets": [{"url": "test://block/1"}], "notify": {"url": "https://example.com/h"}}
+    )
+    job_id = resp.get_json()["job"]["id"]
+    assert "notification" not in api.get(job_id).get_json()
+    fetch.release_all()
+    runner.wait(job_id, timeout=30)
+    plain = api.post([{"url": "test://ok/2"}]).get_json()["job"]["id"]
+    runner.wait(plain, timeout=30)
+    assert "notification" not in api.get(plain).get_json()
+
+
+@pytest.mark.parametrize(
+    "notify",
+    [
+        {"url": "http://127.0.0.1/hook"},
+        {"url": "http://10.1.2.3/hook"},
+        {"url": "ftp://example.com/hook"},
+        {"url": ""},
+        {"url": 5},
+        "https://example.com/hook",
+        {"url": "https://example.com/hook", "secret": "x"},
+    ],
+)
+def test_an_invalid_notify_is_422(make: Make, notify: Any) -> None:
+    from test_webhooks import SECRET
+
+    api, runner = make(webhooks=batch.Webhooks(secret=SECRET))
+    resp = api.post(json={"targets": [{"url": "test://ok/1"}], "notify": notify})
+    assert resp.status_code == 422, resp.get_data(as_text=True)
+    assert resp.get_json()["error"]["type"] in ("invalid_request", "invalid_targets")
+    assert runner.jobs() == []
+
+
+def test_notify_on_a_server_without_webhooks_is_422(make: Make) -> None:
+    api, runner = make()
+    resp = api.post(
+        json={"targets": [{"url": "test://ok/1"}], "notify": {"url": "https://e.com/h"}}
+    )
+    _error(resp, 422, "invalid_targets")

@@ -1,0 +1,229 @@
+"""The transactional outbox: each job end announced exactly once, delivered at least once.
+
+A job may carry a notification URL (``batch_job.notify_url``). Whatever ends it (its last
+target's write, a cancel, a reaper, ``fail_job``) inserts its outbox row in the same
+transaction that sets the terminal status, with :func:`notify_statement`: no job end
+without its row, no row without its job end. The row's id (``msg_<job id>``) is the
+webhook id of every attempt, and the primary key: a second insert for the same job cannot
+happen (the statement inserts only while none exists).
+
+Senders (any live runner's) claim due rows for a while (:meth:`OutboxQueries.claim_notifications`,
+``FOR UPDATE SKIP LOCKED`` on PostgreSQL and MariaDB, the write lock on SQLite), deliver
+them, and record each attempt (:meth:`OutboxQueries.record_attempt`). A sender that dies
+mid-delivery leaves its claim to lapse; another sender takes the row then.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Connection, bindparam, insert, literal, or_, select, update
+
+from ._errors import wrap_errors
+from ._rows import NotificationRow
+from ._schema import LIVE, UTCDateTime, jobs, outbox
+from ._shared import aware_now, findable
+
+__all__ = [
+    "DELIVERED",
+    "FAILED",
+    "PENDING",
+    "OutboxQueries",
+    "message_id",
+    "notify_statement",
+    "queue_notification",
+]
+
+PENDING = "pending"
+DELIVERED = "delivered"
+FAILED = "failed"
+
+_COLUMNS = [
+    outbox.c.id,
+    outbox.c.job_id,
+    outbox.c.caller,
+    outbox.c.url,
+    outbox.c.job_status,
+    outbox.c.status,
+    outbox.c.attempts,
+    outbox.c.next_attempt_at,
+    outbox.c.claimed_by,
+    outbox.c.last_answer,
+    outbox.c.created_at,
+    outbox.c.updated_at,
+]
+
+
+def message_id(job_id: str) -> str:
+    """The webhook id of a job's end notification (the same for every attempt)."""
+    return "msg_" + job_id
+
+
+def notify_statement() -> Any:
+    """Insert the job's outbox row if it has a notification URL and has ended.
+
+    Parameters ``job_id``, ``msg_id`` (:func:`message_id`) and ``now``. Inserts nothing for
+    a live job, a job without a URL, or one whose row exists already, so every path that
+    ends a job can run it after its compare-and-set without counting who came first.
+    """
+    now = bindparam("now", type_=UTCDateTime)
+    msg = bindparam("msg_id", type_=outbox.c.id.type)
+    taken = select(outbox.c.id).where(outbox.c.id == msg).exists()
+    source = select(
+        msg,
+        jobs.c.id,
+        jobs.c.caller,
+        jobs.c.notify_url,
+        jobs.c.status,
+        literal(PENDING),
+        literal(0),
+        now,
+        literal(""),
+        literal(""),
+        now,
+        now,
+    ).where(
+        jobs.c.id == bindparam("job_id"),
+        jobs.c.notify_url.is_not(None),
+        jobs.c.status.not_in([literal(s) for s in LIVE]),
+        ~taken,
+    )
+    return insert(outbox).from_select(_COLUMNS, source)
+
+
+_NOTIFY = notify_statement()
+
+
+def queue_notification(conn: Connection, job_id: str, now: dt.datetime) -> None:
+    """In the caller's transaction, after it ended the job: queue its announcement."""
+    conn.execute(_NOTIFY, {"job_id": job_id, "msg_id": message_id(job_id), "now": now})
+
+
+def _row(r: Any) -> NotificationRow:
+    return NotificationRow(**{c.name: r._mapping[c.name] for c in _COLUMNS})
+
+
+class OutboxQueries:
+    """The outbox methods of :class:`DB` (see the module docstring)."""
+
+    if TYPE_CHECKING:
+        dialect: str
+
+        def _write(self) -> AbstractContextManager[Connection]: ...
+
+        def _read(self) -> AbstractContextManager[Connection]: ...
+
+    @wrap_errors
+    def claim_notifications(
+        self,
+        owner: str,
+        *,
+        now: dt.datetime | None = None,
+        lease: dt.timedelta = dt.timedelta(seconds=60),
+        limit: int = 16,
+    ) -> list[NotificationRow]:
+        """Claim up to ``limit`` due notifications for ``owner`` until ``now + lease``.
+
+        Due: pending, its next attempt at or before ``now``, and not claimed by a sender
+        whose claim still holds. Rows another transaction is claiming are skipped, so
+        several senders share the work without waiting for each other.
+        """
+        now = aware_now(now)
+        with self._write() as conn:
+            q = (
+                select(*_COLUMNS)
+                .where(
+                    outbox.c.status == PENDING,
+                    outbox.c.next_attempt_at <= now,
+                    or_(outbox.c.claimed_until.is_(None), outbox.c.claimed_until < now),
+                )
+                .order_by(outbox.c.next_attempt_at, outbox.c.id)
+                .limit(limit)
+                .with_for_update(skip_locked=True)
+            )
+            rows = [_row(r) for r in conn.execute(q)]
+            if rows:
+                conn.execute(
+                    update(outbox)
+                    .where(outbox.c.id.in_([r.id for r in rows]))
+                    .values(claimed_by=owner, claimed_until=now + lease, updated_at=now)
+                )
+        return rows
+
+    @wrap_errors
+    def record_attempt(
+        self,
+        msg_id: str,
+        owner: str,
+        *,
+        outcome: str,
+        answer: str,
+        next_attempt_at: dt.datetime | None = None,
+        now: dt.datetime | None = None,
+    ) -> bool:
+        """Record one delivery attempt of a notification this ``owner`` claimed.
+
+        ``outcome`` is ``"delivered"``, ``"failed"`` (given up) or ``"pending"`` (try
+        again at ``next_attempt_at``). False when the claim was lost meanwhile (it
+        lapsed and another sender took the row): the attempt is not recorded.
+        """
+        if outcome not in (PENDING, DELIVERED, FAILED):
+            raise ValueError(f"outcome must be pending, delivered or failed, not {outcome!r}")
+        now = aware_now(now)
+        values: dict[str, Any] = {
+            "status": outcome,
+            "attempts": outbox.c.attempts + 1,
+            "last_answer": answer[:2000],
+            "claimed_by": "",
+            "claimed_until": None,
+            "updated_at": now,
+        }
+        if outcome == PENDING:
+            if next_attempt_at is None:
+                raise ValueError("a pending outcome needs next_attempt_at")
+            values["next_attempt_at"] = next_attempt_at
+        with self._write() as conn:
+            won = conn.execute(
+                update(outbox)
+                .where(
+                    outbox.c.id == msg_id,
+                    outbox.c.claimed_by == owner,
+                    outbox.c.status == PENDING,
+                )
+                .values(**values)
+            ).rowcount
+        return bool(won == 1)
+
+    @wrap_errors
+    def notification(self, job_id: str) -> NotificationRow | None:
+        """The job's end notification, or ``None`` (no URL, not ended, or purged)."""
+        if not findable(job_id):
+            return None
+        with self._read() as conn:
+            r = conn.execute(select(*_COLUMNS).where(outbox.c.id == message_id(job_id))).first()
+        return _row(r) if r is not None else None
+
+    @wrap_errors
+    def redeliver(self, job_id: str, now: dt.datetime | None = None) -> bool:
+        """Send a delivered or failed notification again, now (same webhook id).
+
+        False when the job has no notification, or it is still pending.
+        """
+        if not findable(job_id):
+            return False
+        now = aware_now(now)
+        with self._write() as conn:
+            won = conn.execute(
+                update(outbox)
+                .where(outbox.c.id == message_id(job_id), outbox.c.status != PENDING)
+                .values(
+                    status=PENDING,
+                    next_attempt_at=now,
+                    claimed_by="",
+                    claimed_until=None,
+                    updated_at=now,
+                )
+            ).rowcount
+        return bool(won == 1)

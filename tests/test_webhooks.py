@@ -1,0 +1,366 @@
+"""Job-end webhooks from the transactional outbox (issue 14), on every backend.
+
+A real receiver (``http.server`` on loopback, in a thread) answers as each test scripts
+it; signatures are checked with the Standard Webhooks reference implementation
+(``standardwebhooks`` on PyPI), not only with our own code.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import http.server
+import json
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from _fetchers import WAIT
+from conftest import Clock
+from sqlalchemy import select
+from standardwebhooks.webhooks import Webhook, WebhookVerificationError
+
+import batch
+import dcache
+from dcache._schema import jobs, outbox
+
+SECRET = "whsec_" + base64.b64encode(b"k" * 32).decode()
+OTHER = "whsec_" + base64.b64encode(b"o" * 32).decode()
+FAST = dt.timedelta(milliseconds=50)
+
+
+class Receiver:
+    """A webhook receiver on 127.0.0.1 that answers with scripted statuses (then 200)."""
+
+    def __init__(self, answers: list[int] | None = None) -> None:
+        self.answers = list(answers or [])
+        self.seen: list[tuple[dict[str, str], bytes]] = []
+        self.lock = threading.Lock()
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                with receiver.lock:
+                    receiver.seen.append(({k.lower(): v for k, v in self.headers.items()}, body))
+                    code = receiver.answers.pop(0) if receiver.answers else 200
+                self.send_response(code)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"ok")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    r = Receiver()
+    yield r
+    r.close()
+
+
+def poll(fn: Any, timeout: float = WAIT) -> Any:
+    """Call ``fn`` until it returns something true; return that (fail after timeout)."""
+    deadline = time.monotonic() + timeout
+    pause = threading.Event()
+    while True:
+        found = fn()
+        if found:
+            return found
+        assert time.monotonic() < deadline, "timed out"
+        pause.wait(0.01)
+
+
+def hooks(**kw: Any) -> batch.Webhooks:
+    options: dict[str, Any] = {
+        "secret": SECRET,
+        "allow": ["127.0.0.1"],
+        "schedule": (FAST,) * 4,
+        "poll": 0.05,
+    }
+    options.update(kw)
+    return batch.Webhooks(**options)
+
+
+def ok(target: batch.Target) -> batch.Result:
+    return batch.Result(content="x" * 10)
+
+
+def urls(n: int) -> list[dict[str, str]]:
+    return [{"url": f"https://example.com/{i}"} for i in range(n)]
+
+
+def settled(runner: batch.Runner, job_id: str) -> dcache.NotificationRow:
+    def done() -> dcache.NotificationRow | None:
+        n = runner.notification(job_id)
+        return n if n is not None and n.status != "pending" else None
+
+    found: dcache.NotificationRow = poll(done)
+    return found
+
+
+def test_500_twice_then_200_is_one_notification_seen_three_times(
+    db: dcache.DB, receiver: Receiver
+) -> None:
+    receiver.answers = [500, 500]
+    with batch.Runner(db, ok, webhooks=hooks()) as runner:
+        job_id, _ = runner.submit("alice", "free", urls(2), notify=receiver.url)
+        assert runner.wait(job_id, timeout=WAIT) is not None
+        note = settled(runner, job_id)
+    assert (note.status, note.attempts) == ("delivered", 3)
+    assert note.last_answer.startswith("HTTP 200")
+    ids = {h["webhook-id"] for h, _ in receiver.seen}
+    assert len(receiver.seen) == 3 and ids == {note.id}
+    doc = json.loads(receiver.seen[-1][1])
+    assert doc["type"] == "job.finished"
+    assert doc["job"]["id"] == job_id and doc["job"]["status"] == "done"
+    assert [t["result"] for t in doc["targets"]] == [None, None]
+    assert all(t["bytes"] > 10 for t in doc["targets"])  # sizes, not results
+
+
+def test_the_signature_verifies_with_the_reference_implementation(
+    db: dcache.DB, receiver: Receiver
+) -> None:
+    with batch.Runner(db, ok, webhooks=hooks()) as runner:
+        job_id, _ = runner.submit("alice", "free", urls(1), notify=receiver.url)
+        settled(runner, job_id)
+    [(headers, body)] = receiver.seen
+    payload = Webhook(SECRET).verify(body, headers)
+    assert payload["job"]["id"] == job_id
+    with pytest.raises(WebhookVerificationError):
+        Webhook(OTHER).verify(body, headers)
+    with pytest.raises(WebhookVerificationError):
+        Webhook(SECRET).verify(body.replace(b"done", b"fail"), headers)
+
+
+def test_a_rotation_signs_with_both_secrets_and_either_verifies(
+    db: dcache.DB, receiver: Receiver
+) -> None:
+    with batch.Runner(db, ok, webhooks=hooks(secret=[SECRET, OTHER])) as runner:
+        job_id, _ = runner.submit("alice", "free", urls(1), notify=receiver.url)
+        settled(runner, job_id)
+    [(headers, body)] = receiver.seen
+    assert len(headers["webhook-signature"].split()) == 2
+    for secret in (SECRET, OTHER):
+        Webhook(secret).verify(body, headers)
+
+
+def test_a_secret_per_caller(db: dcache.DB, receiver: Receiver) -> None:
+    per_caller = {"alice": SECRET, "bob": OTHER}
+    with batch.Runner(db, ok, webhooks=hooks(secret=per_caller.__getitem__)) as runner:
+        for caller in per_caller:
+            job_id, _ = runner.submit(caller, "free", urls(1), notify=receiver.url)
+            settled(runner, job_id)
+    for (headers, body), secret in zip(receiver.seen, per_caller.values(), strict=True):
+        Webhook(secret).verify(body, headers)
+
+
+def test_every_way_a_job_ends_is_announced_once(db: dcache.DB, receiver: Receiver) -> None:
+    """done, partial, failed (by fail_job, as a reaper does), cancelled."""
+    gate = threading.Event()
+
+    def fetch(target: batch.Target) -> batch.Result:
+        if target.url.endswith("/bad"):
+            raise batch.FetchError("no")
+        if target.url.endswith("/slow"):
+            gate.wait(WAIT)
+        return batch.Result(content="ok")
+
+    with batch.Runner(db, fetch, webhooks=hooks()) as runner:
+        done, _ = runner.submit("a", "free", [{"url": "https://e.com/1"}], notify=receiver.url)
+        partial, _ = runner.submit(
+            "b",
+            "free",
+            [{"url": "https://e.com/1"}, {"url": "https://e.com/bad"}],
+            notify=receiver.url,
+        )
+        cancelled, _ = runner.submit(
+            "c", "free", [{"url": "https://e.com/slow"}], notify=receiver.url
+        )
+        assert runner.cancel(cancelled)
+        gate.set()
+        ends = {j: settled(runner, j) for j in (done, partial, cancelled)}
+    failed_db = db
+    assert {j: n.job_status for j, n in ends.items()} == {
+        done: "done",
+        partial: "partial",
+        cancelled: "cancelled",
+    }
+    # The reaper's path: fail_job ends a live job in the same transaction as its row.
+    out = failed_db.submit(
+        job_id=batch.new_job_id(),
+        caller="d",
+        caller_class="free",
+        idem_key="k" * 64,
+        targets=[dcache.NewTarget("https://e.com/x")],
+        ttl=dt.timedelta(hours=1),
+        jobs_per_caller=8,
+        jobs_total=64,
+        notify_url=receiver.url,
+    )
+    assert out.job is not None
+    assert failed_db.fail_job(out.job.id, "restart")
+    assert not failed_db.fail_job(out.job.id, "restart")  # a second end does nothing
+    note = failed_db.notification(out.job.id)
+    assert note is not None and (note.job_status, note.status) == ("failed", "pending")
+    with failed_db.engine.connect() as conn:
+        rows = conn.execute(select(outbox.c.job_id)).scalars().all()
+    assert sorted(rows) == sorted([done, partial, cancelled, out.job.id])
+    seen = [h["webhook-id"] for h, _ in receiver.seen]
+    assert len(seen) == len(set(seen)) == 3
+
+
+def test_a_job_without_notify_queues_nothing(db: dcache.DB) -> None:
+    with batch.Runner(db, ok, webhooks=hooks()) as runner:
+        job_id, _ = runner.submit("alice", "free", urls(2))
+        runner.wait(job_id, timeout=WAIT)
+        assert runner.notification(job_id) is None
+    with db.engine.connect() as conn:
+        assert conn.execute(select(outbox.c.id)).first() is None
+        assert conn.execute(select(jobs.c.notify_url)).scalar_one() is None
+
+
+def test_a_receiver_down_at_first_is_retried_on_the_schedule(db: dcache.DB) -> None:
+    """Time injected: attempts come when the schedule says, not before; then delivered."""
+    clock = Clock(dt.datetime.now(dt.timezone.utc))
+    down = Receiver()
+    port = down.server.server_address[1]
+    down.close()  # nothing listens: connection refused
+    url = f"http://127.0.0.1:{port}/hook"
+    schedule = (dt.timedelta(seconds=5), dt.timedelta(minutes=5), dt.timedelta(minutes=30))
+    with batch.Runner(db, ok, clock=clock, webhooks=hooks(schedule=schedule, poll=3600)) as runner:
+        sender = runner._sender
+        assert sender is not None
+        job_id, _ = runner.submit("alice", "free", urls(1), notify=url)
+        runner.wait(job_id, timeout=WAIT)
+        first = poll(lambda: (n := runner.notification(job_id)) and n.attempts == 1 and n)
+        assert first and first.status == "pending" and "Connection" in first.last_answer
+        wait = first.next_attempt_at - clock.now
+        assert dt.timedelta(seconds=4.5) <= wait <= dt.timedelta(seconds=5.5)
+        clock.advance(seconds=4.4)
+        assert sender.deliver_due() == 0  # not yet due
+        clock.advance(seconds=1.2)
+        assert sender.deliver_due() == 1
+        second = runner.notification(job_id)
+        assert second is not None and second.attempts == 2
+        wait = second.next_attempt_at - clock.now
+        assert dt.timedelta(minutes=4.5) <= wait <= dt.timedelta(minutes=5.5)
+        up = Receiver()
+        try:
+            # The receiver is back, on another port: point the row at it (as a test only).
+            with db.engine.begin() as conn:
+                conn.execute(outbox.update().values(url=up.url))
+            clock.advance(minutes=6)
+            assert sender.deliver_due() == 1
+            final = runner.notification(job_id)
+            assert final is not None and (final.status, final.attempts) == ("delivered", 3)
+            assert len(up.seen) == 1
+        finally:
+            up.close()
+
+
+def test_the_schedule_ends_in_failed_and_redeliver_sends_again(
+    db: dcache.DB, receiver: Receiver
+) -> None:
+    receiver.answers = [503] * 3
+    seen: list[batch.events.Event] = []
+    with batch.Runner(
+        db, ok, webhooks=hooks(schedule=(FAST, FAST)), observers=[seen.append]
+    ) as runner:
+        job_id, _ = runner.submit("alice", "free", urls(1), notify=receiver.url)
+        note = settled(runner, job_id)
+        assert (note.status, note.attempts) == ("failed", 3)
+        assert note.last_answer.startswith("HTTP 503")
+        assert runner.redeliver(job_id)
+        again = settled(runner, job_id)
+        assert (again.status, again.attempts) == ("delivered", 4)
+        assert not runner.redeliver("0" * 32)
+    attempts = [e for e in seen if isinstance(e, batch.events.DeliveryAttempted)]
+    assert [a.outcome for a in attempts] == ["pending", "pending", "failed", "delivered"]
+    assert {a.webhook_id for a in attempts} == {note.id}
+
+
+def test_a_permanent_refusal_is_not_retried(db: dcache.DB, receiver: Receiver) -> None:
+    receiver.answers = [410]
+    with batch.Runner(db, ok, webhooks=hooks()) as runner:
+        job_id, _ = runner.submit("alice", "free", urls(1), notify=receiver.url)
+        note = settled(runner, job_id)
+    assert (note.status, note.attempts) == ("failed", 1)
+    assert len(receiver.seen) == 1
+
+
+def test_loopback_and_private_notify_urls_are_refused_by_default(db: dcache.DB) -> None:
+    with batch.Runner(db, ok, webhooks=batch.Webhooks(secret=SECRET)) as runner:
+        for url in ("http://127.0.0.1:9/x", "http://10.0.0.1/x", "http://169.254.169.254/x"):
+            with pytest.raises(batch.InvalidTargetsError, match="refused"):
+                runner.submit("alice", "free", urls(1), notify=url)
+        for bad in ("ftp://example.com/x", "not a url", ""):
+            with pytest.raises(batch.InvalidTargetsError):
+                runner.submit("alice", "free", urls(1), notify=bad)
+        assert runner.jobs() == []
+
+
+def test_a_name_that_resolves_to_loopback_is_refused_at_connect(db: dcache.DB) -> None:
+    """The guard judges every resolution: ``localhost`` passes the literal check, then
+    its connect is refused and the attempt fails (no request reaches anything)."""
+    with batch.Runner(db, ok, webhooks=batch.Webhooks(secret=SECRET, poll=0.05)) as runner:
+        job_id, _ = runner.submit("alice", "free", urls(1), notify="http://localhost:9/x")
+        note = poll(lambda: (n := runner.notification(job_id)) and n.attempts >= 1 and n)
+        assert note and "blocked address 127.0.0.1" in note.last_answer.lower()
+
+
+def test_notify_needs_webhooks_configured(db: dcache.DB) -> None:
+    with batch.Runner(db, ok) as runner, pytest.raises(batch.InvalidTargetsError, match="not"):
+        runner.submit("alice", "free", urls(1), notify="https://example.com/hook")
+
+
+def test_secrets_are_checked() -> None:
+    for bad in ("plain", "whsec_***", "whsec_" + base64.b64encode(b"short").decode(), []):
+        with pytest.raises(ValueError):
+            batch.Webhooks(secret=bad)
+
+
+def test_on_finish_runs_once_per_job_end_off_the_drain_thread(db: dcache.DB) -> None:
+    got: list[tuple[str, str, str]] = []
+    with batch.Runner(
+        db,
+        ok,
+        on_finish=lambda job: got.append((job.id, job.status, threading.current_thread().name)),
+    ) as runner:
+        ids = [runner.submit(f"c{i}", "free", urls(2))[0] for i in range(3)]
+        for job_id in ids:
+            runner.wait(job_id, timeout=WAIT)
+        poll(lambda: len(got) == 3)
+    assert sorted(g[0] for g in got) == sorted(ids)
+    assert {g[1] for g in got} == {"done"}
+    assert not any(g[2].startswith("batch-job-") for g in got)
+
+
+def test_sign_matches_the_specification_by_hand() -> None:
+    key = secrets.token_bytes(24)
+    secret = "whsec_" + base64.b64encode(key).decode()
+    header = batch.sign(secret, "msg_1", 1700000000, b'{"a":1}')
+    assert header.startswith("v1,")
+    Webhook(secret).verify(
+        b'{"a":1}',
+        {
+            "webhook-id": "msg_1",
+            "webhook-timestamp": str(int(dt.datetime.now().timestamp())),
+            "webhook-signature": batch.sign(
+                secret, "msg_1", int(dt.datetime.now().timestamp()), b'{"a":1}'
+            ),
+        },
+    )
