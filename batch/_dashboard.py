@@ -57,6 +57,8 @@ _HERE = Path(__file__).parent
 _CANCEL_MESSAGES = {
     "ok": "Cancelled: the target in flight is stored, then the job stops.",
     "finished": "Not cancelled: the job had already finished.",
+    "resent": "Notification queued again: it is sent now, with the same webhook id.",
+    "pending": "Not resent: the notification is still pending (it will be sent anyway).",
 }
 
 
@@ -293,6 +295,7 @@ class _Dashboard:
             live=job.status in LIVE,
             duration=_duration(job),
             message=_CANCEL_MESSAGES.get(request.args.get("cancel", "")),
+            notification=self.runner.notification(job.id),
             preview=preview,
             preview_bytes=PREVIEW_BYTES,
         )
@@ -361,6 +364,20 @@ class _Dashboard:
             outcome = "finished"
         target = url_for(".job", job_id=job_id, cancel=outcome)
         return redirect(target, code=303)  # type: ignore[return-value]
+
+    def redeliver(self, job_id: str) -> Response:
+        """Send a job's delivered or failed notification again (the form's POST)."""
+        if not self._csrf_ok():
+            return self.render(
+                "error.html",
+                400,
+                title="Not resent",
+                message="The form could not be verified (it may be stale or come from "
+                "another site). Reload the job's page and try again.",
+            )
+        self._summary(job_id)  # 404 for an unknown job
+        outcome = "resent" if self.runner.redeliver(job_id) else "pending"
+        return redirect(url_for(".job", job_id=job_id, cancel=outcome), code=303)  # type: ignore[return-value]
 
     def _csrf_ok(self) -> bool:
         origin = request.headers.get("Origin")
@@ -441,6 +458,7 @@ def dashboard(
         "/jobs/<job_id>/targets/<int:idx>/result", "result", state.result, methods=["GET"]
     )
     bp.add_url_rule("/jobs/<job_id>/cancel", "cancel", state.cancel, methods=["POST"])
+    bp.add_url_rule("/jobs/<job_id>/redeliver", "redeliver", state.redeliver, methods=["POST"])
     # Unknown paths under the prefix get the blueprint's gate and pages, not the app's 404.
     bp.add_url_rule("/<path:rest>", "unknown", _unknown, methods=["GET", "POST"])
     bp.register_error_handler(HTTPException, state.error)

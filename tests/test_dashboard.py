@@ -456,3 +456,39 @@ def test_serve_answers_on_loopback_and_refuses_other_hosts(tmp_path: Path) -> No
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(WAIT)
+
+
+def test_a_failed_notification_is_shown_and_redelivered_from_the_page(fake: FakeFetch) -> None:
+    """The job page shows the webhook's state; Redeliver (with the form's token) re-sends."""
+    from test_webhooks import SECRET, Receiver, poll
+
+    receiver = Receiver([503, 503])
+    store = dcache.DB.memory()
+    hooks = batch.Webhooks(
+        secret=SECRET, allow=["127.0.0.1"], schedule=(dt.timedelta(0),), poll=0.05
+    )
+    r = batch.Runner(store, fake, CONFIG, webhooks=hooks)
+    try:
+        client = make_app(r).test_client()
+        job_id, _ = r.submit("alice", "gold", [{"url": "https://e.com/a"}], notify=receiver.url)
+        poll(lambda: (n := r.notification(job_id)) and n.status == "failed")
+        page = client.get(f"/batch/jobs/{job_id}", headers=OP).get_data(as_text=True)
+        assert 'id="notification-status"' in page and ">failed<" in page
+        assert "HTTP 503" in page and 'id="redeliver-form"' in page
+        url = f"/batch/jobs/{job_id}/redeliver"
+        assert client.post(url, headers=OP, data={"csrf": "x" * 43}).status_code == 400
+        token = _csrf(client, job_id)
+        resp = client.post(url, headers=OP, data={"csrf": token})
+        assert resp.status_code == 303
+        assert "queued again" in client.get(resp.headers["Location"], headers=OP).get_data(
+            as_text=True
+        )
+        note = poll(lambda: (n := r.notification(job_id)) and n.status == "delivered" and n)
+        assert note.attempts == 3
+        assert len({h["webhook-id"] for h, _ in receiver.seen}) == 1
+        page = client.get(f"/batch/jobs/{job_id}", headers=OP).get_data(as_text=True)
+        assert ">delivered<" in page
+    finally:
+        r.close(timeout=WAIT)
+        store.close()
+        receiver.close()
