@@ -4,9 +4,10 @@ A job submitted with ``notify=URL`` gets one outbox row when it ends, written by
 transaction that ends it (see ``dcache._outbox``). Every runner configured with
 :class:`Webhooks` runs a sender thread (``batch-webhooks-<owner>``) that claims due rows,
 POSTs the payload signed as the Standard Webhooks specification says, and records each
-attempt; failures are retried on :data:`SCHEDULE` with jitter, a permanent refusal (a 4xx
-other than 408 and 429) or the schedule's end gives up (``failed``). Delivery is at least
-once: a receiver deduplicates on the ``webhook-id`` header, the same for every attempt.
+attempt; failures are retried on :data:`batch.WEBHOOK_SCHEDULE` with jitter, a permanent
+refusal (a 4xx other than 408 and 429) or the schedule's end gives up (``failed``).
+Delivery is at least once: a receiver deduplicates on the ``webhook-id`` header, the same
+for every attempt.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ class Webhooks:
             refused by default, at every connect (so DNS rebinding cannot slip through).
         schemes: the URL schemes accepted.
         timeout: seconds for one delivery attempt (connect, send, answer).
-        schedule: the waits before each retry (:data:`SCHEDULE`); ``jitter`` spreads
+        schedule: the waits before each retry (:data:`batch.WEBHOOK_SCHEDULE`); ``jitter`` spreads
             each by that fraction either way.
         poll: seconds between looks for due notifications (a job ended in this process
             wakes the sender at once).
