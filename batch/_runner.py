@@ -171,6 +171,7 @@ class RawStatus:
     def __init__(self, stream: dcache.JobStream, results: bool = True) -> None:
         self._stream = stream
         self.job: Job = _job(stream.job)
+        self.notify_url = stream.job.notify_url  # where the job's end is announced, if anywhere
         self.results = results  # False: every result left out, its size in result_bytes
 
     def __iter__(self) -> Iterator[dcache.TargetRow]:

@@ -322,8 +322,8 @@ class BatchAPI:
 
     def _notification(self, status: RawStatus) -> bytes:
         """``,"notification":{...}`` for an ended job that has one (one keyed read)."""
-        if status.job.finished_at is None and status.job.status in ("queued", "running"):
-            return b""  # a live job has none yet: polls of running jobs pay nothing
+        if status.notify_url is None or status.job.status in ("queued", "running"):
+            return b""  # none asked for, or none yet: such polls pay no second read
         try:
             note = self.runner.notification(status.job.id)
         except BaseException:

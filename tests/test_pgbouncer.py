@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import _pgbouncer
 import psycopg
 import pytest
 from _fetchers import WAIT
@@ -56,15 +57,28 @@ def test_the_tests_really_go_through_the_bouncer() -> None:
         assert conn.execute("SELECT 1").fetchone() == (1,)
 
 
-def test_without_the_option_prepared_statements_break_behind_transaction_pooling() -> None:
+@pytest.fixture
+def own_bouncer() -> Iterator[str]:
+    """A PgBouncer of this test's own: the failure below leaves prepared statements on its
+    server connections, which must never reach the shared bouncer's other clients."""
+    pgbouncer_url()  # skips or fails as the shared one would
+    bouncer = _pgbouncer.start(POSTGRES_URL, pool_size=2)
+    try:
+        yield _conninfo(bouncer.url())
+    finally:
+        bouncer.stop()
+
+
+def test_without_the_option_prepared_statements_break_behind_transaction_pooling(
+    own_bouncer: str,
+) -> None:
     """The failure the option exists for, shown with psycopg's defaults.
 
     Client A runs one query until psycopg prepares it on the server connection A was
     given; client B then takes that server connection for an open transaction, so A's
     next transaction runs on another one, where the prepared statement does not exist.
     """
-    info = _conninfo(pgbouncer_url())
-    with psycopg.connect(info, autocommit=True) as a, psycopg.connect(info) as b:
+    with psycopg.connect(own_bouncer, autocommit=True) as a, psycopg.connect(own_bouncer) as b:
         for i in range(10):
             a.execute("SELECT %s::int + 1", (i,))
         b.execute("SELECT 1")  # B holds a server connection in a transaction
@@ -74,11 +88,10 @@ def test_without_the_option_prepared_statements_break_behind_transaction_pooling
         b.rollback()
 
 
-def test_with_the_option_the_same_sequence_works() -> None:
-    info = _conninfo(pgbouncer_url())
+def test_with_the_option_the_same_sequence_works(own_bouncer: str) -> None:
     with (
-        psycopg.connect(info, autocommit=True, prepare_threshold=None) as a,
-        psycopg.connect(info) as b,
+        psycopg.connect(own_bouncer, autocommit=True, prepare_threshold=None) as a,
+        psycopg.connect(own_bouncer) as b,
     ):
         for i in range(10):
             a.execute("SELECT %s::int + 1", (i,))
