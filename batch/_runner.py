@@ -68,6 +68,7 @@ from .events import (
     Subscriber,
     TargetStored,
     log_events,
+    only,
 )
 
 __all__ = ["Fetch", "RawStatus", "Runner", "new_job_id"]
@@ -272,9 +273,9 @@ class Runner:
         )
         self._sender = Sender(self, webhooks) if webhooks is not None else None
         if self._sender is not None:
-            self._events.subscribe(self._wake_sender)
+            self._events.subscribe(only(JobFinished, JobCancelled, fn=self._wake_sender))
         if on_finish is not None:
-            self._events.subscribe(self._finished_hook(on_finish))
+            self._events.subscribe(only(JobFinished, fn=self._finished_hook(on_finish)))
         self._events.start()
         self._beat_thread.start()
         self._maintain_thread.start()

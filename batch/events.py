@@ -16,6 +16,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 
@@ -32,6 +33,7 @@ __all__ = [
     "Subscriber",
     "TargetStored",
     "log_events",
+    "only",
 ]
 
 
@@ -150,9 +152,31 @@ Event = (
 )
 """Any one of the events above (a union of the event classes)."""
 Subscriber = Callable[[Event], object]
-"""The type of a subscriber, called with each event on the dispatcher thread (return ignored)."""
+"""The type of a subscriber, called with each event on the dispatcher thread (return ignored).
+
+A subscriber may declare the event classes it wants in an ``event_types`` attribute (a
+tuple; :func:`only` sets it): the bus then neither queues nor dispatches the others for
+it, and an event no subscriber wants costs its emitter nothing (no queue, no wake-up of
+the dispatcher thread). Without the attribute, a subscriber receives every event.
+"""
+
+
+def only(*types: type, fn: Callable[[Any], object]) -> Subscriber:
+    """``fn`` as a subscriber of the given event classes only (see :data:`Subscriber`)."""
+
+    def subscriber(event: Event) -> object:
+        return fn(event)
+
+    subscriber.event_types = types  # type: ignore[attr-defined]
+    return subscriber
+
 
 _STOP = object()
+
+
+def _wants(fn: Subscriber, kind: type) -> bool:
+    types = getattr(fn, "event_types", None)
+    return types is None or issubclass(kind, types)
 
 
 class EventBus:
@@ -169,6 +193,7 @@ class EventBus:
         self._log = log
         self._lock = threading.Lock()
         self._subscribers: tuple[Subscriber, ...] = tuple(subscribers)
+        self._wanted: dict[type, bool] = {}  # event class -> does any subscriber want it
         self._queue: queue.Queue[object] = queue.Queue(maxsize)
         self._name = name
         self._thread: threading.Thread | None = None
@@ -181,17 +206,26 @@ class EventBus:
             raise TypeError(f"a subscriber must be callable, not {type(fn).__name__}")
         with self._lock:
             self._subscribers = (*self._subscribers, fn)
+            self._wanted = {}
 
         def unsubscribe() -> None:
             with self._lock:
                 self._subscribers = tuple(s for s in self._subscribers if s is not fn)
+                self._wanted = {}
 
         return unsubscribe
 
     def emit(self, event: Event) -> None:
         """Queue an event without blocking; drop (and count) it when the queue is full."""
-        if not self._subscribers or self._closed:
+        if self._closed:
             return
+        kind = type(event)
+        wanted = self._wanted.get(kind)
+        if wanted is None:
+            wanted = any(_wants(fn, kind) for fn in self._subscribers)
+            self._wanted[kind] = wanted
+        if not wanted:
+            return  # nobody listens to this kind: no queue, no wake-up
         try:
             self._queue.put_nowait(event)
         except queue.Full:
@@ -212,7 +246,10 @@ class EventBus:
             event = self._queue.get()
             if event is _STOP:
                 return
+            kind = type(event)
             for fn in self._subscribers:
+                if not _wants(fn, kind):
+                    continue
                 try:
                     fn(event)  # type: ignore[arg-type]
                 except BaseException:
@@ -257,4 +294,4 @@ def log_events(log: logging.Logger) -> Subscriber:
                 extra={"job_id": event.job_id},
             )
 
-    return subscriber
+    return only(JobSubmitted, JobCancelled, JobFinished, fn=subscriber)

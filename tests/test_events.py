@@ -189,3 +189,29 @@ def test_a_full_queue_drops_and_counts_instead_of_blocking() -> None:
     assert bus.dropped >= 7
     gate.set()
     bus.close()
+
+
+def test_an_event_nobody_wants_is_not_queued_and_declared_interests_are_honoured() -> None:
+    """Subscribers that declare their event classes get only those; a kind no subscriber
+    wants costs the emitter nothing (the runner's log subscriber skips TargetStored)."""
+    import logging
+
+    from batch.events import EventBus, JobFinished, TargetStored, only
+
+    got: list[object] = []
+    bus = EventBus([only(JobFinished, fn=got.append)], logging.getLogger("t"), name="t")
+    stored = TargetStored(dt.datetime.now(dt.timezone.utc), "j", 0, "c", "done", 0.0, 0.0, 1)
+    bus.emit(stored)
+    assert bus._queue.qsize() == 0  # not queued at all
+    finished = JobFinished(dt.datetime.now(dt.timezone.utc), "j", "c", "done", "", 1.0)
+    bus.emit(finished)
+    assert bus._queue.qsize() == 1
+    everything: list[object] = []
+    unsubscribe = bus.subscribe(everything.append)
+    bus.emit(stored)
+    assert bus._queue.qsize() == 2
+    bus.start()
+    bus.close()
+    assert got == [finished]
+    assert everything == [finished, stored]  # subscribed before the dispatcher ran
+    unsubscribe()
