@@ -1052,12 +1052,16 @@ class Runner:
             return False
         if not self._db.cancel(job_id, now=self._clock()):
             return False
+        self._cancelled(job_id)
+        return True
+
+    def _cancelled(self, job_id: str) -> None:
+        """After a cancel won: stop the job's drain if it runs here, and announce it."""
         with self._lock:
             drain = self._drains.get(job_id)
         if drain is not None:
             drain.stop.set()
         self._emit(JobCancelled(self._clock(), job_id))
-        return True
 
     def wait(self, job_id: str, timeout: float | None = None) -> Job | None:
         """Block until the job has finished: terminal, its drain stopped.
@@ -1144,11 +1148,7 @@ class Runner:
             return False, None
         won, row = self._db.cancel_job(job_id, now=self._clock(), caller=caller)
         if won:
-            with self._lock:
-                drain = self._drains.get(job_id)
-            if drain is not None:
-                drain.stop.set()
-            self._emit(JobCancelled(self._clock(), job_id))
+            self._cancelled(job_id)
         return won, (_job(row) if row is not None else None)
 
     def poll(self, job_id: str) -> Job | None:

@@ -322,7 +322,7 @@ class BatchAPI:
 
     def _notification(self, status: RawStatus) -> bytes:
         """``,"notification":{...}`` for an ended job that has one (one keyed read)."""
-        if status.notify_url is None or status.job.status in ("queued", "running"):
+        if status.notify_url is None or status.job.status in dcache.LIVE:
             return b""  # none asked for, or none yet: such polls pay no second read
         try:
             note = self.runner.notification(status.job.id)

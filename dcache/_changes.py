@@ -84,13 +84,18 @@ class JobChanges:
             ttl = self._ttl_of(conn, job_id)
             if ttl is None:
                 return False
-            won = conn.execute(
-                update(jobs)
-                .where(jobs.c.id == job_id, jobs.c.status.in_(LIVE))
-                .values(status=CANCELLED, updated_at=now, expires_at=now + ttl)
-            ).rowcount
-            if won == 1:
-                queue_notification(conn, job_id, now)  # the job's end, in its transaction
+            return self._cancel(conn, job_id, ttl, now)
+
+    @staticmethod
+    def _cancel(conn: Connection, job_id: str, ttl: dt.timedelta, now: dt.datetime) -> bool:
+        """The cancel's compare-and-set (live -> cancelled) and its job-end notification."""
+        won = conn.execute(
+            update(jobs)
+            .where(jobs.c.id == job_id, jobs.c.status.in_(LIVE))
+            .values(status=CANCELLED, updated_at=now, expires_at=now + ttl)
+        ).rowcount
+        if won == 1:
+            queue_notification(conn, job_id, now)  # the job's end, in its transaction
         return bool(won == 1)
 
     @wrap_errors

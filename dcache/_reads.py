@@ -20,14 +20,13 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import attrs
-from sqlalchemy import Connection, CursorResult, bindparam, select, update
+from sqlalchemy import Connection, CursorResult, bindparam, select
 
 from ._errors import is_store_failure, translate, wrap_errors
-from ._outbox import queue_notification
 from ._prepared import Prepared
 from ._rows import JobRow, TargetRow
 from ._schema import LIVE, UTCDateTime, jobs
-from ._shared import JOB_COLS, aware_now, findable, job_from, job_row, visible
+from ._shared import CANCELLED, JOB_COLS, aware_now, findable, job_from, job_row, visible
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -150,6 +149,9 @@ class WebReads:
 
         def _write(self) -> AbstractContextManager[Connection]: ...
 
+        @staticmethod
+        def _cancel(conn: Connection, job_id: str, ttl: dt.timedelta, now: dt.datetime) -> bool: ...
+
     @wrap_errors
     def poll_job(self, job_id: str, now: dt.datetime | None = None) -> JobRow | None:
         """As :meth:`DB.get_job`, for the hottest read there is: a conditional poll.
@@ -238,14 +240,8 @@ class WebReads:
                 return False, None
             if job.status not in LIVE:
                 return False, job
-            expires = now + job.ttl
-            won = conn.execute(
-                update(jobs)
-                .where(jobs.c.id == job_id, jobs.c.status.in_(LIVE))
-                .values(status="cancelled", updated_at=now, expires_at=expires)
-            ).rowcount
-            if won == 1:
-                queue_notification(conn, job_id, now)  # the job's end, in its transaction
-        if won != 1:  # cannot happen under the row lock; answer what is known
+            won = self._cancel(conn, job_id, job.ttl, now)
+        if not won:  # cannot happen under the row lock; answer what is known
             return False, job
-        return True, attrs.evolve(job, status="cancelled", updated_at=now, expires_at=expires)
+        cancelled = attrs.evolve(job, status=CANCELLED, updated_at=now, expires_at=now + job.ttl)
+        return True, cancelled
