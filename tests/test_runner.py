@@ -13,10 +13,12 @@ import logging
 import re
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 from _fetchers import WAIT, FakeFetch, join_threads, wait_for
+from conftest import backend_url
 
 import batch
 import dcache
@@ -84,15 +86,15 @@ def runner(make_runner: MakeRunner) -> Runner:
 
 
 @pytest.fixture
-def second_runner(db: dcache.DB, backend: str, clock: Clock, fake: FakeFetch) -> Iterator[Runner]:
+def second_runner(
+    db: dcache.DB, backend: str, clock: Clock, fake: FakeFetch, tmp_path: Path
+) -> Iterator[Runner]:
     """Another runner on the same database: a second DB object where the backend allows it.
 
     ``memory`` lives in one DB object only, so there the second runner shares it.
     """
-    if backend == "memory":
-        store = db
-    else:
-        store = dcache.DB.open(db.engine.url.render_as_string(hide_password=False))
+    # The fixture's URL, not the engine's: that one has lost ``?pgbouncer=true``.
+    store = db if backend == "memory" else dcache.DB.open(backend_url(backend, tmp_path))
     other = Runner(store, fake, clock=clock)
     yield other
     fake.release_all()
