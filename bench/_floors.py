@@ -112,6 +112,12 @@ SQL_WRITE_JOB = (
     "updated_at = ?, expires_at = ? WHERE id = ?"
 )
 SQL_RETURNING = " RETURNING status, finished_at"
+# PostgreSQL: both updates in one statement, the target's in a data-modifying CTE, as
+# dcache's writer does there (no row back: the target was not pending).
+SQL_WRITE_BOTH = (
+    f"WITH changed AS ({SQL_WRITE_TARGET} RETURNING job_id) {SQL_WRITE_JOB} "
+    "AND EXISTS (SELECT job_id FROM changed)" + SQL_RETURNING
+)
 SQL_JOB_STATE = "SELECT status, finished_at FROM batch_job WHERE id = ?"
 # The statements of dcache.DB.submit.
 SQL_LOCK = "SELECT name FROM batch_lock WHERE name = ?"
@@ -177,6 +183,7 @@ class RawStore:
         self.q_target = fix(SQL_WRITE_TARGET)
         self.q_job = fix(SQL_WRITE_JOB + (SQL_RETURNING if self.returning else ""))
         self.q_state = fix(SQL_JOB_STATE)
+        self.q_both = fix(SQL_WRITE_BOTH) if be.kind == "postgresql" else None
         self.q_lock = fix(SQL_LOCK + lock)
         self.q_lock_insert = fix(SQL_LOCK_INSERT)
         self.q_idem = fix(SQL_BY_IDEM)
@@ -264,6 +271,17 @@ class RawStore:
         cur = self.cur
         self._begin()
         try:
+            if self.q_both is not None:
+                job_values = (ts, failed, failed, failed, ts, self.ts(now + TTL), job_id)
+                cur.execute(self.q_both, (status, result, "", "", ts, job_id, idx, *job_values))
+                row = cur.fetchone()
+                if row is None:
+                    cur.execute(self.q_state, (job_id,))
+                    row = cur.fetchone()
+                    self._commit()
+                    return False if row is None else row[0] in ("queued", "running")
+                self._commit()
+                return bool(row[0] in ("queued", "running"))
             cur.execute(self.q_target, (status, result, "", "", ts, job_id, idx))
             if cur.rowcount != 1:
                 cur.execute(self.q_state, (job_id,))

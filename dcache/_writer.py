@@ -131,6 +131,14 @@ class GroupWriter:
         dialect = db.engine.dialect
         target, job, read = _statements()
         self._returning = bool(dialect.update_returning)
+        # PostgreSQL runs both updates as one statement (one round trip, not two): the
+        # target's compare-and-set in a data-modifying CTE, the job's update only where
+        # it changed a row. No row back means the target was not pending, as a rowcount
+        # of 0 does on the others (neither SQLite nor MariaDB modifies data in a CTE).
+        self._together = dialect.name == "postgresql"
+        if self._together:
+            changed = target.returning(targets.c.job_id).cte("changed")
+            job = job.where(select(changed.c.job_id).exists())
         if self._returning:
             job = job.returning(jobs.c.status, jobs.c.finished_at)
         result_types = (jobs.c.status.type, jobs.c.finished_at.type)
@@ -309,16 +317,22 @@ class GroupWriter:
 
     def _apply(self, run: Any, values: dict[str, Any]) -> WriteOutcome:
         """One outcome's statements inside the batch's transaction."""
-        rowcount, _ = run(self._target, values)
-        if rowcount != 1:
+        if self._together:
+            _, fetch = run(self._job, values)
+            row = fetch()
+        else:
+            rowcount, _ = run(self._target, values)
+            row = None if rowcount != 1 else ()
+            if row is not None:
+                _, fetch = run(self._job, values)
+                if not self._returning:
+                    _, fetch = run(self._read, values)
+                row = fetch()
+                assert row is not None, "a target's job row is missing"
+        if row is None:  # the target was not pending: nothing written
             _, fetch = run(self._read, values)
             row = fetch()
             return WriteOutcome(False, row[0] if row is not None else "")
-        _, fetch = run(self._job, values)
-        if not self._returning:
-            _, fetch = run(self._read, values)
-        row = fetch()
-        assert row is not None, "a target's job row is missing"
         if row[0] not in LIVE:
             # This write ended the job (or found it ended): its announcement, if it has a
             # URL and none is queued yet, commits with it (see dcache._outbox).

@@ -476,11 +476,12 @@ def test_each_write_is_committed_when_it_returns_and_takes_no_pooled_connection(
 
 def _break_statements(db: DB, marker: str, *, table: str = "batch_job") -> Any:
     """An engine hook that turns the UPDATE of ``table`` for a write whose parameters
-    hold ``marker`` into invalid SQL: a real database error at exactly that statement."""
+    hold ``marker`` into invalid SQL: a real database error at exactly that statement
+    (on PostgreSQL, the one statement that updates both tables)."""
 
     def hook(conn: Any, cursor: Any, statement: str, params: Any, context: Any, many: Any) -> Any:
         values = params.values() if isinstance(params, dict) else params
-        if statement.startswith(f"UPDATE {table}") and any(v == marker for v in values):
+        if f"UPDATE {table} " in statement and any(v == marker for v in values):
             return "UPDATE no_such_table SET x = 1", params
         return statement, params
 

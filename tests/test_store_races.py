@@ -198,6 +198,43 @@ def test_cancel_racing_the_last_write_leaves_one_consistent_story(db: DB) -> Non
         assert stored.finished_at is not None
 
 
+def test_the_postgresql_write_locks_the_target_before_the_job(db: DB) -> None:
+    """PostgreSQL's per-target write is one statement: the target's compare-and-set in a
+    CTE, the job's update filtered on it. Its plan must run the CTE first (a one-time
+    filter above the job's scan), so it locks rows in purge's order, target then job."""
+    if db.dialect != "postgresql":
+        pytest.skip("one statement per write on PostgreSQL only (others run two in order)")
+    job = submit(db, caller="alice", key=procs.idem("plan"), n=1).job
+    assert job is not None
+    prepared = db._group._job
+    values = prepared.params(
+        dict(
+            job_id=job.id,
+            idx=0,
+            status="done",
+            result=None,
+            error="",
+            hint="",
+            now=T0,
+            failed=0,
+            expires_at=T0 + TTL,
+        )
+    )
+    with db.engine.connect() as conn:
+        plan = [row[0] for row in conn.exec_driver_sql(f"EXPLAIN {prepared.sql}", values).all()]
+    at = {
+        k: next(i for i, line in enumerate(plan) if k in line)
+        for k in (
+            "CTE changed",
+            "Update on batch_target",
+            "One-Time Filter",
+            "Scan using batch_job_pkey",
+        )
+    }
+    assert at["CTE changed"] < at["Update on batch_target"] < at["One-Time Filter"]
+    assert at["One-Time Filter"] < at["Scan using batch_job_pkey"], plan
+
+
 def _lock_waiters(db: DB) -> int:
     """How many transactions on this database wait for a row lock right now."""
     if db.dialect == "postgresql":
@@ -233,9 +270,11 @@ def test_purge_does_not_deadlock_with_a_late_write_to_a_lapsed_job(db: DB, backe
     def hold_target_lock(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
         # In the writer, right after its UPDATE of the target row: keep that row lock
         # until the purge is waiting for it (or has finished), then let the write go on.
+        # (On PostgreSQL that statement updates the job row too, after the target's: see
+        # test_the_postgresql_write_locks_the_target_before_the_job.)
         if threading.get_ident() not in writer_ident or target_locked.is_set():
             return
-        if not statement.lstrip().upper().startswith("UPDATE BATCH_TARGET"):
+        if "UPDATE BATCH_TARGET " not in statement.upper():
             return
         target_locked.set()
         # Poll no faster than every 0.2 s: InnoDB refreshes INNODB_TRX only when it was
