@@ -1126,17 +1126,33 @@ class Runner:
             return dcache.Lookup("unknown")
         return self._db.lookup(job_id, now=self._clock())
 
-    def result_raw(self, job_id: str, idx: int) -> tuple[Job, dcache.TargetRow] | None:
-        """As :meth:`result`, the job too and the result as its stored JSON text."""
+    def result_raw(
+        self, job_id: str, idx: int, *, results: bool = True
+    ) -> tuple[Job, dcache.TargetRow] | None:
+        """As :meth:`result`, the job too and the result as its stored JSON text.
+
+        With ``results=False`` the result is left out (``None``) and its size in bytes is
+        in ``result_bytes``; read it a slice at a time with :meth:`result_slice`.
+        """
         if not _plausible_id(job_id):
             return None
-        found = self._db.get_target(job_id, idx, now=self._clock())
+        found = self._db.get_target(job_id, idx, now=self._clock(), results=results)
         if found is None:
             return None
         row, target = found
         if row.status == "running" and target.status == "pending" and idx == row.targets_done:
             target = attrs.evolve(target, status="running")
         return _job(row), target
+
+    def result_slice(self, job_id: str, idx: int, start: int, length: int) -> str | None:
+        """Characters ``start`` to ``start + length`` of a target's stored result text.
+
+        ``""`` past its end, ``None`` when it is not stored (or no longer); see
+        :meth:`dcache.DB.get_result_slice`. Check the job first (:meth:`result_raw`).
+        """
+        if not _plausible_id(job_id):
+            return None
+        return self._db.get_result_slice(job_id, idx, start, length)
 
     def cancel_job(self, job_id: str, *, caller: str | None = None) -> tuple[bool, Job | None]:
         """As :meth:`cancel`, returning the job as the cancel decided it (no second read).

@@ -390,8 +390,8 @@ class BatchAPI:
 
     def _get_content(self, job_id: str, idx: str) -> Response:
         caller, _ = self._caller()
-        _job, target = self._target(job_id, idx, caller)
-        if target.result is None:
+        _job, target = self._target(job_id, idx, caller, results=False)
+        if target.result_bytes is None:
             raise APIError(
                 404,
                 "no_result",
@@ -400,11 +400,17 @@ class BatchAPI:
                 + ")",
                 context={"status": target.status},
             )
-        stored, status = target.result, target.status
-        del target
-        parts = _content_parts(stored)
+        index = target.idx
+
+        def read(start: int, length: int) -> str:
+            text = self.runner.result_slice(job_id, index, start, length)
+            if text is None:
+                raise dcache.StoreError(f"the result of target {index} of job {job_id} is gone")
+            return text
+
+        parts = _content_parts(read)
         if parts is None:  # not the runner's own layout: decode it whole
-            whole = json.loads(stored)
+            whole = json.loads(_read_to_end(read, 0))
             parts = whole.get("meta") or {}, iter([whole.get("content", "")])
             del whole
         meta, pieces = parts
@@ -415,16 +421,20 @@ class BatchAPI:
         else:
             body = (piece.encode("utf-8") for piece in pieces)
             mimetype = str(ctype) if ctype else "text/plain; charset=utf-8"
-        del stored, status
-        # Decoded and written a piece at a time: the stored text is held once, never a
-        # second whole copy of the content beside it (in Python or in the answer).
+        # Read from the store, decoded and written a slice at a time: neither the stored
+        # text nor the content is ever held whole (in the driver, in Python or in the
+        # answer). A result purged while it streams ends the answer early (no last chunk).
         resp = Response(body, content_type=mimetype)
         resp.headers["X-Content-Type-Options"] = "nosniff"
         return resp
 
-    def _target(self, job_id: str, idx: str, caller: str) -> tuple[Job, dcache.TargetRow]:
+    def _target(
+        self, job_id: str, idx: str, caller: str, *, results: bool = True
+    ) -> tuple[Job, dcache.TargetRow]:
         index = _index_arg(idx)
-        found = self.runner.result_raw(job_id, index) if index is not None else None
+        found = (
+            self.runner.result_raw(job_id, index, results=results) if index is not None else None
+        )
         if found is None or found[0].caller != caller:
             job = self.runner.job(job_id) if found is None else found[0]
             if job is None or job.caller != caller:
@@ -619,25 +629,31 @@ def _index_arg(raw: str) -> int | None:
     return int(raw)
 
 
-# -- raw content, decoded a piece at a time ---------------------------------------------------
+# -- raw content, read and decoded a slice at a time ------------------------------------------
 
 _CONTENT_PREFIX = '{"content": "'  # how the runner stores a result (json.dumps defaults)
 _META_PREFIX = ', "meta": '
-_PIECE = 64 * 1024  # characters of the stored text per piece (a multiple of 4: base64)
+# Characters of the stored text per read (a multiple of 4: base64). Each read holds about
+# four copies of a slice at once (the driver's, the text, the decoded and encoded piece).
+_SLICE = 128 * 1024
+
+_Read = Callable[[int, int], str]  # (start, length) -> that slice of the stored text
 
 
-def _content_parts(stored: str) -> tuple[Any, Iterator[str]] | None:
-    """``(meta, pieces)`` of a stored result, its content decoded a piece at a time.
+def _content_parts(read: _Read) -> tuple[Any, Iterator[str]] | None:
+    """``(meta, pieces)`` of a stored result, its content read and decoded a slice at a
+    time. ``None`` when the text is not laid out as the runner writes it.
 
-    ``None`` when the text is not laid out as the runner writes it.
+    Two passes over the content: the first finds where its JSON string ends (the meta,
+    which gives the content type, comes after it), the second decodes it.
     """
-    if not stored.startswith(_CONTENT_PREFIX):
-        return None
     start = len(_CONTENT_PREFIX)
-    end = _string_end(stored, start)
+    if read(0, start) != _CONTENT_PREFIX:
+        return None
+    end = _content_end(read, start)
     if end < 0:
         return None
-    rest = stored[end + 1 :]
+    rest = _read_to_end(read, end + 1)
     meta: Any = {}
     if rest.startswith(_META_PREFIX) and rest.endswith("}"):
         try:
@@ -646,11 +662,28 @@ def _content_parts(stored: str) -> tuple[Any, Iterator[str]] | None:
             return None
     elif rest != "}":
         return None
-    return meta, _pieces(stored, start, end)
+    return meta, _decoded(_slices(read, start, end))
+
+
+def _content_end(read: _Read, start: int) -> int:
+    """Where the JSON string whose body starts at ``start`` ends (its closing quote), or -1."""
+    pos, escaped = start, False
+    while True:
+        chunk = read(pos, _SLICE)
+        if not chunk:
+            return -1
+        i = 1 if escaped else 0  # the character after a slice's last backslash is escaped
+        q = _string_end(chunk, i)
+        if q >= 0:
+            return pos + q
+        run = len(chunk) - len(chunk.rstrip("\\"))
+        escaped = min(run, max(len(chunk) - i, 0)) % 2 == 1
+        pos += len(chunk)
 
 
 def _string_end(text: str, i: int) -> int:
-    """Where the JSON string whose body starts at ``i`` ends (its closing quote), or -1."""
+    """Where a JSON string body that goes on at ``i`` of ``text`` ends (its closing quote,
+    not escaped), or -1 when it goes past the end of ``text``."""
     while True:
         q = text.find('"', i)
         if q < 0:
@@ -663,24 +696,49 @@ def _string_end(text: str, i: int) -> int:
         i = q + 1
 
 
-def _pieces(text: str, start: int, end: int) -> Iterator[str]:
-    """The decoded JSON string body ``text[start:end]``, in pieces of about _PIECE."""
-    i = start
-    while i < end:
-        want = min(i + _PIECE, end)
-        # An escape is at most 6 characters (\\uXXXX): a cut inside one does not decode,
-        # so try a few cuts before (then after) the wanted one.
-        cuts = [c for c in range(want, want - 7, -1) if c > i]
-        cuts += [c for c in range(want + 1, want + 7) if c <= end]
-        for n, j in enumerate(cuts):
+def _read_to_end(read: _Read, pos: int) -> str:
+    """The stored text from ``pos`` to its end."""
+    parts = []
+    while True:
+        chunk = read(pos, _SLICE)
+        parts.append(chunk)
+        if len(chunk) < _SLICE:
+            return "".join(parts)
+        pos += len(chunk)
+
+
+def _slices(read: _Read, start: int, end: int) -> Iterator[str]:
+    """The stored text from ``start`` to ``end``, a slice at a time."""
+    pos = start
+    while pos < end:
+        chunk = read(pos, min(_SLICE, end - pos))
+        if not chunk:  # the text changed under us: the result was replaced or purged
+            raise dcache.StoreError("the stored result changed while it was read")
+        yield chunk
+        pos += len(chunk)
+
+
+def _decoded(escaped: Iterator[str]) -> Iterator[str]:
+    """The body of a JSON string decoded, given as slices of its escaped text cut anywhere."""
+    carry = ""
+    for chunk in escaped:
+        text = carry + chunk
+        # An escape is at most 6 characters (\\uXXXX) and a surrogate pair 12: a cut inside
+        # one does not decode (or leaves half a pair), so try a few cuts before the end.
+        for j in range(len(text), max(len(text) - 12, 0) - 1, -1):
             try:
-                piece = json.loads('"' + text[i:j] + '"')
-                break
+                piece = json.loads('"' + text[:j] + '"')
             except ValueError:
-                if n == len(cuts) - 1:
-                    raise
-        yield piece
-        i = j
+                continue
+            if not (piece and "\ud800" <= piece[-1] <= "\udbff"):
+                break
+        else:
+            raise ValueError("the stored result's content is not a JSON string")
+        carry = text[j:]
+        if piece:
+            yield piece
+    if carry:
+        yield json.loads('"' + carry + '"')
 
 
 def _base64_body(pieces: Iterator[str]) -> Iterator[bytes]:

@@ -6,13 +6,22 @@ import datetime as dt
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
-from sqlalchemy import Connection, Engine, select
+from sqlalchemy import Connection, Engine, func, select
 
 from ._errors import wrap_errors
 from ._prepared import Prepared
 from ._rows import JobRow, Lookup, TargetRow
 from ._schema import LIVE, jobs, targets, tombstones
-from ._shared import JOB_COLS, TARGET_COLS, aware_now, findable, job_from, job_row, visible
+from ._shared import (
+    JOB_COLS,
+    TARGET_COLS,
+    TARGET_COLS_BRIEF,
+    aware_now,
+    findable,
+    job_from,
+    job_row,
+    visible,
+)
 
 
 class JobReads:
@@ -66,17 +75,19 @@ class JobReads:
 
     @wrap_errors
     def get_target(
-        self, job_id: str, idx: int, now: dt.datetime | None = None
+        self, job_id: str, idx: int, now: dt.datetime | None = None, *, results: bool = True
     ) -> tuple[JobRow, TargetRow] | None:
         """The job and one of its targets (with its result), read in one statement.
 
         ``None`` when the job is unknown, its lease has lapsed, or it has no such target.
+        With ``results=False`` the result is left out and its size read instead
+        (``TargetRow.result_bytes``), as :meth:`get_job_with_targets` does.
         """
         if not findable(job_id) or isinstance(idx, bool) or not isinstance(idx, int):
             return None
         now = aware_now(now)
         q = (
-            select(*JOB_COLS, *TARGET_COLS)
+            select(*JOB_COLS, *(TARGET_COLS if results else TARGET_COLS_BRIEF))
             .select_from(jobs.join(targets, targets.c.job_id == jobs.c.id))
             .where(jobs.c.id == job_id, targets.c.idx == idx, visible(now))
         )
@@ -86,6 +97,27 @@ class JobReads:
             return None
         t0 = len(JOB_COLS)
         return job_from(tuple(row)[:t0]), TargetRow(*tuple(row)[t0:])
+
+    @wrap_errors
+    def get_result_slice(self, job_id: str, idx: int, start: int, length: int) -> str | None:
+        """Characters ``start`` to ``start + length`` (from 0) of a target's stored result.
+
+        One keyed read; the database cuts the text, so only the slice crosses the wire and
+        is held here: a reader pulls a large result a slice at a time with bounded memory
+        (``GET /jobs/<id>/targets/<idx>/content``). ``""`` past its end; ``None`` when the
+        target or its result is not (or no longer) stored. Lease and owner are not checked:
+        read the target first (:meth:`get_target`), then its slices.
+        """
+        if not findable(job_id) or isinstance(idx, bool) or not isinstance(idx, int):
+            return None
+        if start < 0 or length < 0:
+            raise ValueError(f"a slice needs start >= 0 and length >= 0, not {start}, {length}")
+        q = select(func.substr(targets.c.result, start + 1, length)).where(
+            targets.c.job_id == job_id, targets.c.idx == idx
+        )
+        with self._read() as conn:
+            row = conn.execute(q).first()
+        return None if row is None else row[0]
 
     @wrap_errors
     def lookup(self, job_id: str, now: dt.datetime | None = None) -> Lookup:

@@ -98,9 +98,12 @@ Q_STATUS = (
 )
 
 
-# The same without the results, but with their sizes (TargetRow.result_bytes).
-Q_STATUS_BRIEF = Q_STATUS.with_only_columns(
-    *JOB_COLS,
+# A target without its result, but with its size (TargetRow.result_bytes).
+TARGET_COLS_BRIEF = [
     *(null().label("result") if c is targets.c.result else c for c in TARGET_COLS),
     result_bytes(targets.c.result).label("result_bytes"),
-)
+]
+
+
+# The same without the results, but with their sizes.
+Q_STATUS_BRIEF = Q_STATUS.with_only_columns(*JOB_COLS, *TARGET_COLS_BRIEF)

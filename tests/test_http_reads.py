@@ -310,6 +310,40 @@ def test_content_carries_the_type_fetch_reported(make: Make) -> None:
     assert (pic.headers["Content-Type"], pic.get_data()) == ("image/png", png)
 
 
+def test_content_is_read_from_the_store_a_slice_at_a_time(
+    api_on: Any, statements: Statements, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large result crosses the driver in slices, never whole, and decodes exactly (escapes
+    and characters of every UTF-8 width cut anywhere); a purge mid-stream ends it early."""
+    api, runner = api_on()
+    content = ('é"\\\n😀\x01 ' + "x" * 300) * 40  # ~12,300 characters
+    meta = {"content_type": "text/plain; charset=utf-8"}
+    runner._fetch = lambda _t: batch.Result(content, meta)  # type: ignore[attr-defined]
+    job_id = _submit(api, ["test://big"])
+    runner.wait(job_id, timeout=10)
+    monkeypatch.setattr(batch_flask, "_SLICE", 1000)
+    with statements:
+        resp = api.open("GET", f"/jobs/{job_id}/targets/0/content")
+        body = resp.get_data()
+    assert resp.status_code == 200 and resp.headers["Content-Type"] == meta["content_type"]
+    assert body == content.encode()
+    reads = [s for s in statements.sql if s.upper().startswith("SELECT")]
+    assert "NULL AS result" in reads[0], reads[0]  # the target's row, its result left out
+    slices = [s for s in reads[1:] if s.lower().startswith("select substr(batch_target.result")]
+    assert slices == reads[1:]
+    assert len(slices) >= 2 * len(content) // 1000  # two passes: find the end, then decode
+    # Purged (or replaced) while it streams: the answer stops, it never lies.
+    resp = api.open("GET", f"/jobs/{job_id}/targets/0/content", buffered=False)
+    pieces = iter(resp.response)
+    first = next(pieces)
+    assert content.encode().startswith(first)
+    runner._db.purge_expired(now=dt.datetime(2100, 1, 1, tzinfo=dt.timezone.utc))
+    with pytest.raises(dcache.StoreError):
+        for _ in pieces:
+            pass
+    resp.close()
+
+
 # -- expired is not unknown ---------------------------------------------------------------
 
 
@@ -383,17 +417,25 @@ def test_submit_answers_from_its_own_transaction(api_on: Any, statements: Statem
     meta=st.sampled_from([{}, {"content_type": "text/html"}, {"x": '"}, "meta": {'}]),
 )
 def test_content_is_decoded_piece_by_piece_exactly(content: str, piece: int, meta: Any) -> None:
-    """/content never holds a second whole copy: pieces cut anywhere decode to the content."""
+    """/content never holds the stored text whole: slices cut anywhere decode to the content."""
     stored = json.dumps(batch.Result(content, meta).to_json(), ensure_ascii=False)
-    old = batch_flask._PIECE
-    batch_flask._PIECE = piece
+    longest = [0]
+
+    def read(start: int, length: int) -> str:
+        longest[0] = max(longest[0], length)
+        return stored[start : start + length]
+
+    old = batch_flask._SLICE
+    batch_flask._SLICE = piece
     try:
-        parts = batch_flask._content_parts(stored)
+        parts = batch_flask._content_parts(read)
         assert parts is not None
         got_meta, pieces = parts
         assert (got_meta, "".join(pieces)) == (meta, content)
     finally:
-        batch_flask._PIECE = old
+        batch_flask._SLICE = old
+    assert longest[0] <= max(piece, len(batch_flask._CONTENT_PREFIX))
+    assert batch_flask._content_parts(lambda s, n: '{"meta": {}, "content": ""}'[s : s + n]) is None
     encoded = base64.b64encode(content.encode()).decode()
     assert b"".join(batch_flask._base64_body(iter([encoded[:piece], encoded[piece:]]))) == (
         content.encode()

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 from conftest import backend_url, open_backend
 from sqlalchemy import event, select, text, update
@@ -472,6 +473,30 @@ def test_each_write_is_committed_when_it_returns_and_takes_no_pooled_connection(
     assert checked_out() == 0
     stored = job_of(db, job.id)
     assert (stored.status, stored.targets_done, stored.targets_failed) == ("partial", 3, 1)
+
+
+def test_a_result_is_read_whole_brief_or_a_slice_at_a_time(db: DB) -> None:
+    """get_target with or without its result (then its size); get_result_slice cuts the
+    stored text by characters, whatever their UTF-8 width."""
+    job = created(db, n=2)
+    text = '{"content": "é😀\\"x", "meta": {}}'
+    assert db.write_target(job.id, 0, status="done", result=text, ttl=TTL, now=T0).stored
+    whole = db.get_target(job.id, 0, now=T0)
+    brief = db.get_target(job.id, 0, now=T0, results=False)
+    assert whole is not None and brief is not None
+    assert (whole[1].result, whole[1].result_bytes) == (text, None)
+    assert (brief[1].result, brief[1].result_bytes) == (None, len(text.encode()))
+    assert attrs.evolve(brief[1], result=text, result_bytes=None) == whole[1]
+    for start in range(len(text) + 2):
+        for length in (0, 1, 2, 5, 100):
+            assert db.get_result_slice(job.id, 0, start, length) == text[start : start + length]
+    pending = db.get_target(job.id, 1, now=T0, results=False)
+    assert pending is not None and pending[1].result_bytes is None
+    assert db.get_result_slice(job.id, 1, 0, 10) is None  # no result stored
+    assert db.get_result_slice(job.id, 2, 0, 10) is None  # no such target
+    assert db.get_result_slice("no-such-job", 0, 0, 10) is None
+    with pytest.raises(ValueError):
+        db.get_result_slice(job.id, 0, -1, 10)
 
 
 def _break_statements(db: DB, marker: str, *, table: str = "batch_job") -> Any:
