@@ -320,16 +320,18 @@ class BatchAPI:
         resp.headers["Location"] = url_for(".job", job_id=job.id)
         return resp
 
-    def _notification(self, status: RawStatus) -> bytes:
-        """``,"notification":{...}`` for an ended job that has one (one keyed read)."""
+    def _notification(self, status: RawStatus) -> Callable[[], bytes] | None:
+        """What reads ``,"notification":{...}`` for an ended job that has one (one keyed
+        read), called once the targets' read has ended; ``None`` when there is none."""
         if status.notify_url is None or status.job.status in dcache.LIVE:
-            return b""  # none asked for, or none yet: such polls pay no second read
-        try:
-            note = self.runner.notification(status.job.id)
-        except BaseException:
-            status.close()
-            raise
-        return b',"notification":' + jsonenc.dumps(note.to_json()) if note is not None else b""
+            return None  # none asked for, or none yet: such polls pay no second read
+        job_id = status.job.id
+
+        def read() -> bytes:
+            note = self.runner.notification(job_id)
+            return b',"notification":' + jsonenc.dumps(note.to_json()) if note is not None else b""
+
+        return read
 
     def _missing(self, job_id: str, caller: str) -> APIError:
         """404, or 410 when the caller's own job has expired (its tombstone says so)."""
@@ -558,11 +560,18 @@ def _notify_url(value: object) -> str | None:
     return value["url"]
 
 
-def _status_chunks(status: RawStatus, brief: bool, notification: bytes = b"") -> Iterator[bytes]:
-    """The status document, a few pieces per target, reading targets as it goes."""
+def _status_chunks(
+    status: RawStatus, brief: bool, notification: Callable[[], bytes] | None = None
+) -> Iterator[bytes]:
+    """The status document, a few pieces per target, reading targets as it goes.
+
+    The notification comes last, read only after the targets' read has ended: a second
+    read while it is open could wait for a writer that waits for the first (SQLite without
+    WAL, as the in-memory store is, lets no new reader in while a commit is pending).
+    """
     with status:
         job = jsonenc.dumps(_job_json(status.job))
-        yield b'{"job":' + job + notification + b',"targets":['
+        yield b'{"job":' + job + b',"targets":['
         sep = b""
         for target in status:
             head, result, tail = _target_parts(target, brief=brief)
@@ -572,10 +581,12 @@ def _status_chunks(status: RawStatus, brief: bool, notification: bytes = b"") ->
             del result
             yield tail
             sep = b","
-        yield b"]}"
+    yield b"]" + (notification() if notification is not None else b"") + b"}"
 
 
-def _status_response(status: RawStatus, tag: str, notification: bytes = b"") -> Response:
+def _status_response(
+    status: RawStatus, tag: str, notification: Callable[[], bytes] | None = None
+) -> Response:
     """The status answer: whole when small, else streamed target by target."""
     chunks = _status_chunks(status, brief=_brief(status), notification=notification)
     head: list[bytes] = []

@@ -756,6 +756,55 @@ def test_post_with_notify_announces_the_end_and_get_shows_the_notification(
         receiver.close()
 
 
+def test_get_reads_the_notification_only_after_the_targets_read_has_ended(
+    make_all: Make,
+) -> None:
+    """A GET never opens a second read while its streamed read is open: on SQLite without
+    WAL (the in-memory store) that second read waits for a pending commit, which waits for
+    the first read to end (seen as a GET stuck, then 503 'database is locked')."""
+    from sqlalchemy import event
+    from test_webhooks import SECRET, Receiver, poll
+
+    receiver = Receiver()
+    try:
+        api, runner = make_all(webhooks=batch.Webhooks(secret=SECRET, allow=["127.0.0.1"]))
+        body = {"targets": [{"url": "test://ok/1"}], "notify": {"url": receiver.url}}
+        job_id = api.post(json=body).get_json()["job"]["id"]
+        delivered = lambda: getattr(runner.notification(job_id), "status", "") == "delivered"  # noqa: E731
+        poll(delivered)  # then nothing changes it while the GET runs
+        me = threading.get_ident()
+        held = [0]
+        reads: list[tuple[str, int]] = []
+
+        def out(*_: Any) -> None:
+            held[0] += threading.get_ident() == me
+
+        def back(*_: Any) -> None:
+            held[0] -= threading.get_ident() == me
+
+        def sql(_c: Any, _cur: Any, statement: str, *_: Any) -> None:
+            if threading.get_ident() == me and statement.lstrip().upper().startswith("SELECT"):
+                reads.append((" ".join(statement.split()), held[0]))
+
+        engine = runner.db.engine
+        event.listen(engine.pool, "checkout", out)
+        event.listen(engine.pool, "checkin", back)
+        event.listen(engine, "before_cursor_execute", sql)
+        try:
+            doc = api.get(job_id).get_json()
+        finally:
+            event.remove(engine.pool, "checkout", out)
+            event.remove(engine.pool, "checkin", back)
+            event.remove(engine, "before_cursor_execute", sql)
+        assert doc["job"]["id"] == job_id
+        assert doc["notification"] == runner.notification(job_id).to_json()  # type: ignore[union-attr]
+        outbox = [n for s, n in reads if "batch_outbox" in s]
+        assert outbox and len(reads) == 2, reads
+        assert outbox == [1], reads  # only its own connection out: the stream's was returned
+    finally:
+        receiver.close()
+
+
 def test_a_running_job_shows_no_notification_and_one_without_notify_neither(
     make_all: Make, fetch: GatedFetch
 ) -> None:
