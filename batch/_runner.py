@@ -75,6 +75,7 @@ __all__ = ["Fetch", "RawStatus", "Runner", "new_job_id"]
 
 Fetch = Callable[[Target], Result]
 _R = TypeVar("_R", bound="Runner")
+_T = TypeVar("_T")
 
 _ORPHAN_BEATS = 3  # an owner is dead after this many missed heartbeats
 MAX_MESSAGE_LENGTH = 8192  # a stored error or hint, in characters
@@ -173,6 +174,8 @@ class RawStatus:
         self._stream = stream
         self.job: Job = _job(stream.job)
         self.notify_url = stream.job.notify_url  # where the job's end is announced, if anywhere
+        # Its end notification, read with the job (see Runner.status_raw), if it has one.
+        self.notification: dcache.NotificationRow | None = stream.notification
         self.results = results  # False: every result left out, its size in result_bytes
 
     def __iter__(self) -> Iterator[dcache.TargetRow]:
@@ -1113,11 +1116,14 @@ class Runner:
         For a layer that writes the results straight into a response: nothing is decoded.
         The targets are :class:`dcache.TargetRow` (the one in flight reads ``running``),
         read one row at a time as the returned object is iterated; close it (or exhaust
-        it) to give its connection back. ``None`` if unknown or lapsed.
+        it) to give its connection back. An ended job's end notification, if it has one,
+        is read with it (``RawStatus.notification``). ``None`` if unknown or lapsed.
         """
         if not _plausible_id(job_id):
             return None
-        stream = self._db.get_job_with_targets_streamed(job_id, now=self._clock(), results=results)
+        stream = self._db.get_job_with_targets_streamed(
+            job_id, now=self._clock(), results=results, notification=True
+        )
         return RawStatus(stream, results) if stream is not None else None
 
     def lookup_detail(self, job_id: str) -> dcache.Lookup:
@@ -1174,6 +1180,13 @@ class Runner:
         row = self._db.poll_job(job_id, now=self._clock())
         return _job(row) if row is not None else None
 
+    def poll_notified(self, job_id: str) -> tuple[Job, dcache.NotificationRow | None] | None:
+        """As :meth:`poll`, with the job's end notification from the same statement."""
+        if not _plausible_id(job_id):
+            return None
+        found = self._db.poll_job_notified(job_id, now=self._clock())
+        return (_job(found[0]), found[1]) if found is not None else None
+
     def wait_change(
         self, job_id: str, unchanged: Callable[[Job], bool], timeout: float
     ) -> Job | None:
@@ -1182,6 +1195,24 @@ class Runner:
         Returns the last job read (``None`` once it is unknown or lapsed). Wakes at once on
         an event of a job drained here; a job drained elsewhere is polled with backoff.
         """
+        return self._wait_change(job_id, lambda: self.poll(job_id), unchanged, timeout)
+
+    def wait_change_notified(
+        self,
+        job_id: str,
+        unchanged: Callable[[tuple[Job, dcache.NotificationRow | None]], bool],
+        timeout: float,
+    ) -> tuple[Job, dcache.NotificationRow | None] | None:
+        """As :meth:`wait_change`, on what :meth:`poll_notified` reads."""
+        return self._wait_change(job_id, lambda: self.poll_notified(job_id), unchanged, timeout)
+
+    def _wait_change(
+        self,
+        job_id: str,
+        read: Callable[[], _T | None],
+        unchanged: Callable[[_T], bool],
+        timeout: float,
+    ) -> _T | None:
         deadline = time.monotonic() + max(0.0, timeout)
         wake = threading.Event()
 
@@ -1194,10 +1225,10 @@ class Runner:
         try:
             while True:
                 wake.clear()
-                job = self.poll(job_id)
+                found = read()
                 left = deadline - time.monotonic()
-                if job is None or not unchanged(job) or left <= 0:
-                    return job
+                if found is None or not unchanged(found) or left <= 0:
+                    return found
                 wake.wait(min(delay, left))
                 delay = min(delay * 1.5, 0.25)
         finally:

@@ -320,19 +320,6 @@ class BatchAPI:
         resp.headers["Location"] = url_for(".job", job_id=job.id)
         return resp
 
-    def _notification(self, status: RawStatus) -> Callable[[], bytes] | None:
-        """What reads ``,"notification":{...}`` for an ended job that has one (one keyed
-        read), called once the targets' read has ended; ``None`` when there is none."""
-        if status.notify_url is None or status.job.status in dcache.LIVE:
-            return None  # none asked for, or none yet: such polls pay no second read
-        job_id = status.job.id
-
-        def read() -> bytes:
-            note = self.runner.notification(job_id)
-            return b',"notification":' + jsonenc.dumps(note.to_json()) if note is not None else b""
-
-        return read
-
     def _missing(self, job_id: str, caller: str) -> APIError:
         """404, or 410 when the caller's own job has expired (its tombstone says so)."""
         found = self.runner.lookup_detail(job_id)
@@ -353,20 +340,21 @@ class BatchAPI:
         results = _bool_arg("results", request.args.get("results"), default=True)
         tags = request.if_none_match
         if tags:
-            # A conditional poll: one indexed read of the job row, no target, no result.
-            job = self.runner.poll(job_id)
-            if job is None or job.caller != caller:
+            # A conditional poll: one indexed read of the job row (its end notification
+            # joined on its key), no target, no result.
+            found = self.runner.poll_notified(job_id)
+            if found is None or found[0].caller != caller:
                 raise self._missing(job_id, caller)
-            tag = _etag(job, results)
+            tag = _etag(*found, results)
             if tags.contains_weak(tag):
                 if wait > 0:
                     seen = tag
-                    changed = self.runner.wait_change(
-                        job_id, lambda j: _etag(j, results) == seen, timeout=wait
+                    found = self.runner.wait_change_notified(
+                        job_id, lambda f: _etag(*f, results) == seen, timeout=wait
                     )
-                    if changed is None or changed.caller != caller:
+                    if found is None or found[0].caller != caller:
                         raise self._missing(job_id, caller)
-                    tag = _etag(changed, results)
+                    tag = _etag(*found, results)
                 if tags.contains_weak(tag):
                     return _not_modified(tag)
         elif wait > 0:
@@ -380,7 +368,9 @@ class BatchAPI:
         if status.job.caller != caller:  # ownership, judged on the same read
             status.close()
             raise self._missing(job_id, caller)
-        return _status_response(status, _etag(status.job, results), self._notification(status))
+        note = status.notification
+        notification = b',"notification":' + jsonenc.dumps(note.to_json()) if note else b""
+        return _status_response(status, _etag(status.job, note, results), notification)
 
     def _get_target(self, job_id: str, idx: str) -> Response:
         caller, _ = self._caller()
@@ -486,12 +476,15 @@ _WHOLE = 256 * 1024
 _STATUSES = {s: s.encode() for s in ("pending", "running", "done", "failed")}
 
 
-def _etag(job: Job, results: bool) -> str:
-    """A tag that changes exactly when the job or any target does (strong; unquoted).
+def _etag(job: Job, note: dcache.NotificationRow | None, results: bool) -> str:
+    """A tag that changes exactly when the job, any target or its notification does
+    (strong; unquoted).
 
     Every target write moves ``targets_done`` (and ``updated_at``); every status change
-    moves ``status`` and ``updated_at``; a drain's end sets ``finished_at``: the job row
-    alone decides, so a conditional poll reads nothing else.
+    moves ``status`` and ``updated_at``; a drain's end sets ``finished_at``; every delivery
+    attempt moves the notification's ``updated_at`` (and its status, attempts, next
+    attempt): the job row and the notification row decide, so a conditional poll reads
+    those two, joined in one statement, and nothing else.
     """
     parts = (
         job.id,
@@ -503,6 +496,11 @@ def _etag(job: Job, results: bool) -> str:
         _iso(job.expires_at),
         _iso(job.finished_at),
         "r" if results else "b",
+        *(
+            (note.status, str(note.attempts), _iso(note.next_attempt_at), _iso(note.updated_at))
+            if note is not None
+            else ()
+        ),
     )
     digest = hashlib.blake2b("\x00".join(parts).encode(), digest_size=12).hexdigest()
     return digest
@@ -560,15 +558,8 @@ def _notify_url(value: object) -> str | None:
     return value["url"]
 
 
-def _status_chunks(
-    status: RawStatus, brief: bool, notification: Callable[[], bytes] | None = None
-) -> Iterator[bytes]:
-    """The status document, a few pieces per target, reading targets as it goes.
-
-    The notification comes last, read only after the targets' read has ended: a second
-    read while it is open could wait for a writer that waits for the first (SQLite without
-    WAL, as the in-memory store is, lets no new reader in while a commit is pending).
-    """
+def _status_chunks(status: RawStatus, brief: bool, notification: bytes = b"") -> Iterator[bytes]:
+    """The status document, a few pieces per target, reading targets as it goes."""
     with status:
         job = jsonenc.dumps(_job_json(status.job))
         yield b'{"job":' + job + b',"targets":['
@@ -581,12 +572,10 @@ def _status_chunks(
             del result
             yield tail
             sep = b","
-    yield b"]" + (notification() if notification is not None else b"") + b"}"
+    yield b"]" + notification + b"}"
 
 
-def _status_response(
-    status: RawStatus, tag: str, notification: Callable[[], bytes] | None = None
-) -> Response:
+def _status_response(status: RawStatus, tag: str, notification: bytes = b"") -> Response:
     """The status answer: whole when small, else streamed target by target."""
     chunks = _status_chunks(status, brief=_brief(status), notification=notification)
     head: list[bytes] = []

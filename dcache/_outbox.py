@@ -105,6 +105,20 @@ def _row(r: Any) -> NotificationRow:
     return NotificationRow(**{c.name: r._mapping[c.name] for c in _COLUMNS})
 
 
+NOTE_COLS = _COLUMNS  # a notification's columns, in NotificationRow's order
+
+
+def notification_from(values: Any) -> NotificationRow:
+    """A notification from its columns' values in ``NOTE_COLS`` order."""
+    return NotificationRow(*values)
+
+
+def read_notification(conn: Connection, job_id: str) -> NotificationRow | None:
+    """The job's end notification read on ``conn`` (in its transaction), or ``None``."""
+    r = conn.execute(select(*_COLUMNS).where(outbox.c.id == message_id(job_id))).first()
+    return _row(r) if r is not None else None
+
+
 class OutboxQueries:
     """The outbox methods of :class:`DB` (see the module docstring)."""
 
@@ -202,8 +216,7 @@ class OutboxQueries:
         if not findable(job_id):
             return None
         with self._read() as conn:
-            r = conn.execute(select(*_COLUMNS).where(outbox.c.id == message_id(job_id))).first()
-        return _row(r) if r is not None else None
+            return read_notification(conn, job_id)
 
     @wrap_errors
     def redeliver(self, job_id: str, now: dt.datetime | None = None) -> bool:

@@ -23,9 +23,10 @@ import attrs
 from sqlalchemy import Connection, CursorResult, bindparam, select
 
 from ._errors import is_store_failure, translate, wrap_errors
+from ._outbox import NOTE_COLS, message_id, notification_from, read_notification
 from ._prepared import Prepared
-from ._rows import JobRow, TargetRow
-from ._schema import LIVE, UTCDateTime, jobs
+from ._rows import JobRow, NotificationRow, TargetRow
+from ._schema import LIVE, UTCDateTime, jobs, outbox
 from ._shared import CANCELLED, JOB_COLS, aware_now, findable, job_from, job_row, visible
 
 if TYPE_CHECKING:
@@ -75,10 +76,18 @@ class JobStream:
         job: the job row.
         rows: its targets, read as they are iterated.
         close: ends the read and gives its connection back.
+        notification: the job's end notification, when it was asked for and exists.
     """
 
-    def __init__(self, job: JobRow, rows: Iterator[TargetRow], close: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        job: JobRow,
+        rows: Iterator[TargetRow],
+        close: Callable[[], None],
+        notification: NotificationRow | None = None,
+    ) -> None:
         self.job = job
+        self.notification = notification
         self._rows: Iterator[TargetRow] | None = rows
         self._close = close
 
@@ -160,33 +169,70 @@ class WebReads:
         pooled connection without a transaction around it: no target, no result read.
         ``None`` when the job is unknown or its lease has lapsed.
         """
+        found = self._poll(job_id, now, notified=False)
+        return found[0] if found is not None else None
+
+    @wrap_errors
+    def poll_job_notified(
+        self, job_id: str, now: dt.datetime | None = None
+    ) -> tuple[JobRow, NotificationRow | None] | None:
+        """As :meth:`poll_job`, with the job's end notification joined on its key: still
+        one statement, so a conditional poll sees every change a ``GET`` would show."""
+        return self._poll(job_id, now, notified=True)
+
+    def _poll(
+        self, job_id: str, now: dt.datetime | None, *, notified: bool
+    ) -> tuple[JobRow, NotificationRow | None] | None:
         if not findable(job_id):
             return None
         now = aware_now(now)
-        read = self.__dict__.get("_poll_read")
+        name = "_poll_read_notified" if notified else "_poll_read"
+        read = self.__dict__.get(name)
         if read is None:
-            q = select(*JOB_COLS).where(
-                jobs.c.id == bindparam("job_id"), visible(bindparam("now", type_=UTCDateTime))
-            )
-            read = Prepared(q, self._engine.dialect, [c.type for c in JOB_COLS])
-            self.__dict__["_poll_read"] = read
+            where = (jobs.c.id == bindparam("job_id"), visible(bindparam("now", type_=UTCDateTime)))
+            if notified:
+                q = (
+                    select(*JOB_COLS, *NOTE_COLS)
+                    .select_from(jobs.outerjoin(outbox, outbox.c.id == bindparam("note_id")))
+                    .where(*where)
+                )
+            else:
+                q = select(*JOB_COLS).where(*where)
+            types = [c.type for c in (*JOB_COLS, *(NOTE_COLS if notified else ()))]
+            read = Prepared(q, self._engine.dialect, types)
+            self.__dict__[name] = read
+        values = {"job_id": job_id, "now": now, "note_id": message_id(job_id)}
         with self._engine.connect() as conn:
             if _watched(self._engine):
-                row = read.execute(conn, job_id=job_id, now=now).first()
+                row = read.execute(conn, **values).first()
             else:
-                row = _on_cursor(conn, read, {"job_id": job_id, "now": now})
-        return job_from(read.convert(row)) if row is not None else None
+                row = _on_cursor(conn, read, values)
+        if row is None:
+            return None
+        row = read.convert(row)
+        t0 = len(JOB_COLS)
+        note = notification_from(row[t0:]) if notified and row[t0] is not None else None
+        return job_from(row[:t0]), note
 
     @wrap_errors
     def get_job_with_targets_streamed(
-        self, job_id: str, now: dt.datetime | None = None, *, results: bool = True
+        self,
+        job_id: str,
+        now: dt.datetime | None = None,
+        *,
+        results: bool = True,
+        notification: bool = False,
     ) -> JobStream | None:
         """As :meth:`DB.get_job_with_targets`, the targets streamed one row at a time.
 
         One statement, so the job's counters and its targets agree. The job row (and the
         first target) is read before this returns; ``None`` (and no connection held) when
         the job is unknown or its lease has lapsed. With ``results=False`` the results are
-        left out and their sizes read instead, as there.
+        left out and their sizes read instead, as there. With ``notification=True`` an
+        ended job's end notification is read too, on the same connection and in the same
+        transaction (``JobStream.notification``): never a second connection while the
+        stream holds one (on SQLite without WAL that could wait for a commit that waits
+        for the stream).
         """
         if not findable(job_id):
             return None
@@ -209,10 +255,13 @@ class WebReads:
             row = read.convert(raw)
             job = job_from(row[:t0])
             first = TargetRow(*row[t0:]) if row[t0] is not None else None
+            note = None
+            if notification and job.notify_url is not None and job.status not in LIVE:
+                note = read_notification(conn, job_id)
         except BaseException:
             conn.close()
             raise
-        return JobStream(job, _rows(result, first, read, t0), _closer(conn, result))
+        return JobStream(job, _rows(result, first, read, t0), _closer(conn, result), note)
 
     @wrap_errors
     def cancel_job(

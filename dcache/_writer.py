@@ -319,11 +319,11 @@ class GroupWriter:
         """One outcome's statements inside the batch's transaction."""
         if self._together:
             _, fetch = run(self._job, values)
-            row = fetch()
+            row = fetch()  # no row: the target was not pending
         else:
             rowcount, _ = run(self._target, values)
-            row = None if rowcount != 1 else ()
-            if row is not None:
+            row = None
+            if rowcount == 1:
                 _, fetch = run(self._job, values)
                 if not self._returning:
                     _, fetch = run(self._read, values)

@@ -207,11 +207,11 @@ def _reap_owners(db: dcache.DB, ctx: Ctx) -> Any:
 
 
 def _streamed(db: dcache.DB, ctx: Ctx) -> Any:
-    stream = db.get_job_with_targets_streamed(J_PARTIAL, now=ctx.now)
+    stream = db.get_job_with_targets_streamed(J_PARTIAL, now=ctx.now, notification=True)
     if stream is None:
         return None
     with stream:
-        return stream.job, list(stream)
+        return stream.job, stream.notification, list(stream)
 
 
 STORE: dict[str, StoreScenario] = {
@@ -236,6 +236,7 @@ STORE: dict[str, StoreScenario] = {
     ),
     "DB.get_job_with_targets_streamed": StoreScenario(_streamed),
     "DB.poll_job": StoreScenario(lambda db, c: db.poll_job(J_RUN, now=c.now)),
+    "DB.poll_job_notified": StoreScenario(lambda db, c: db.poll_job_notified(J_PARTIAL, now=c.now)),
     "DB.fail_job": StoreScenario(lambda db, c: db.fail_job(J_RUN, "stop", now=c.now)),
     "DB.mark_finished": StoreScenario(lambda db, c: db.mark_finished(J_CANCEL, now=c.now)),
     "DB.mark_in_flight_failed": StoreScenario(
@@ -249,6 +250,9 @@ STORE: dict[str, StoreScenario] = {
         lambda db, c: db.reap_orphans("restart", dt.timedelta(seconds=30), now=c.now)
     ),
     "DB.get_target": StoreScenario(lambda db, c: db.get_target(J_PARTIAL, 0, now=c.now)),
+    "DB.get_result_slice": StoreScenario(
+        lambda db, c: db.get_result_slice(J_PARTIAL, 0, 1000, 5000)  # inside the 200 kB result
+    ),
     "DB.lookup": StoreScenario(lambda db, c: db.lookup(J_PARTIAL, now=c.now)),
     # The outbox: claims of lapsed claims, an attempt of a claimed row, a re-send.
     "DB.claim_notifications": StoreScenario(

@@ -756,12 +756,12 @@ def test_post_with_notify_announces_the_end_and_get_shows_the_notification(
         receiver.close()
 
 
-def test_get_reads_the_notification_only_after_the_targets_read_has_ended(
+def test_get_reads_the_notification_on_its_streamed_reads_own_connection(
     make_all: Make,
 ) -> None:
-    """A GET never opens a second read while its streamed read is open: on SQLite without
-    WAL (the in-memory store) that second read waits for a pending commit, which waits for
-    the first read to end (seen as a GET stuck, then 503 'database is locked')."""
+    """A GET never takes a second connection while its streamed read holds one: on SQLite
+    without WAL (the in-memory store) a second read waits for a pending commit, which waits
+    for the first read to end (seen as a GET stuck, then 503 'database is locked')."""
     from sqlalchemy import event
     from test_webhooks import SECRET, Receiver, poll
 
@@ -800,7 +800,45 @@ def test_get_reads_the_notification_only_after_the_targets_read_has_ended(
         assert doc["notification"] == runner.notification(job_id).to_json()  # type: ignore[union-attr]
         outbox = [n for s, n in reads if "batch_outbox" in s]
         assert outbox and len(reads) == 2, reads
-        assert outbox == [1], reads  # only its own connection out: the stream's was returned
+        assert outbox == [1], reads  # one connection out: the stream's own
+    finally:
+        receiver.close()
+
+
+def test_the_etag_moves_when_the_notification_does(make_all: Make) -> None:
+    """GET shows the notification, so its state is in the tag: a conditional poll (and a
+    long poll) sees a delivery even when nothing else about the job changed."""
+    from test_webhooks import SECRET, Receiver, poll
+
+    receiver = Receiver([410])  # the first attempt is refused for good: failed
+    try:
+        hooks = batch.Webhooks(secret=SECRET, allow=["127.0.0.1"], poll=0.05)
+        api, runner = make_all(webhooks=hooks)
+        body = {"targets": [{"url": "test://ok/1"}], "notify": {"url": receiver.url}}
+        job_id = api.post(json=body).get_json()["job"]["id"]
+        poll(lambda: getattr(runner.notification(job_id), "status", "") == "failed")
+        failed = api.get(job_id)
+        tag = failed.headers["ETag"]
+        assert failed.get_json()["notification"]["status"] == "failed"
+        assert api.get(job_id, headers={"If-None-Match": tag}).status_code == 304
+        answers: list[Any] = []
+        waiter = threading.Thread(
+            target=lambda: answers.append(
+                api.get(job_id, headers={"If-None-Match": tag}, query_string={"wait": 20})
+            )
+        )
+        waiter.start()
+        assert runner.redeliver(job_id)  # the job row does not change; its notification does
+        waiter.join(20)
+        assert not waiter.is_alive()
+        (woken,) = answers
+        assert woken.status_code == 200 and woken.headers["ETag"] != tag
+        assert woken.get_json()["notification"]["status"] in ("pending", "delivered")
+        assert woken.get_json()["job"] == failed.get_json()["job"]
+        poll(lambda: getattr(runner.notification(job_id), "status", "") == "delivered")
+        now = api.get(job_id, headers={"If-None-Match": tag})
+        assert now.status_code == 200 and now.get_json()["notification"]["status"] == "delivered"
+        assert api.get(job_id, headers={"If-None-Match": now.headers["ETag"]}).status_code == 304
     finally:
         receiver.close()
 
