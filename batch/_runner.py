@@ -1181,11 +1181,15 @@ class Runner:
         return _job(row) if row is not None else None
 
     def poll_notified(self, job_id: str) -> tuple[Job, dcache.NotificationRow | None] | None:
-        """As :meth:`poll`, with the job's end notification from the same statement."""
+        """As :meth:`poll`, with the job's end notification once it has ended, if it asked
+        for one (a second keyed read then, and only then)."""
         if not _plausible_id(job_id):
             return None
-        found = self._db.poll_job_notified(job_id, now=self._clock())
-        return (_job(found[0]), found[1]) if found is not None else None
+        row = self._db.poll_job(job_id, now=self._clock())
+        if row is None:
+            return None
+        ended = row.notify_url is not None and row.status not in dcache.LIVE
+        return _job(row), self._db.notification(job_id) if ended else None
 
     def wait_change(
         self, job_id: str, unchanged: Callable[[Job], bool], timeout: float

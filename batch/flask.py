@@ -340,8 +340,8 @@ class BatchAPI:
         results = _bool_arg("results", request.args.get("results"), default=True)
         tags = request.if_none_match
         if tags:
-            # A conditional poll: one indexed read of the job row (its end notification
-            # joined on its key), no target, no result.
+            # A conditional poll: one indexed read of the job row (and of its notification
+            # once it has ended with one), no target, no result.
             found = self.runner.poll_notified(job_id)
             if found is None or found[0].caller != caller:
                 raise self._missing(job_id, caller)
@@ -484,7 +484,7 @@ def _etag(job: Job, note: dcache.NotificationRow | None, results: bool) -> str:
     moves ``status`` and ``updated_at``; a drain's end sets ``finished_at``; every delivery
     attempt moves the notification's ``updated_at`` (and its status, attempts, next
     attempt): the job row and the notification row decide, so a conditional poll reads
-    those two, joined in one statement, and nothing else.
+    those two (the second only for an ended job that has one) and nothing else.
     """
     parts = (
         job.id,

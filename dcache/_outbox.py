@@ -105,14 +105,6 @@ def _row(r: Any) -> NotificationRow:
     return NotificationRow(**{c.name: r._mapping[c.name] for c in _COLUMNS})
 
 
-NOTE_COLS = _COLUMNS  # a notification's columns, in NotificationRow's order
-
-
-def notification_from(values: Any) -> NotificationRow:
-    """A notification from its columns' values in ``NOTE_COLS`` order."""
-    return NotificationRow(*values)
-
-
 def read_notification(conn: Connection, job_id: str) -> NotificationRow | None:
     """The job's end notification read on ``conn`` (in its transaction), or ``None``."""
     r = conn.execute(select(*_COLUMNS).where(outbox.c.id == message_id(job_id))).first()

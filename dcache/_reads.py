@@ -23,10 +23,10 @@ import attrs
 from sqlalchemy import Connection, CursorResult, bindparam, select
 
 from ._errors import is_store_failure, translate, wrap_errors
-from ._outbox import NOTE_COLS, message_id, notification_from, read_notification
+from ._outbox import read_notification
 from ._prepared import Prepared
 from ._rows import JobRow, NotificationRow, TargetRow
-from ._schema import LIVE, UTCDateTime, jobs, outbox
+from ._schema import LIVE, UTCDateTime, jobs
 from ._shared import CANCELLED, JOB_COLS, aware_now, findable, job_from, job_row, visible
 
 if TYPE_CHECKING:
@@ -169,50 +169,22 @@ class WebReads:
         pooled connection without a transaction around it: no target, no result read.
         ``None`` when the job is unknown or its lease has lapsed.
         """
-        found = self._poll(job_id, now, notified=False)
-        return found[0] if found is not None else None
-
-    @wrap_errors
-    def poll_job_notified(
-        self, job_id: str, now: dt.datetime | None = None
-    ) -> tuple[JobRow, NotificationRow | None] | None:
-        """As :meth:`poll_job`, with the job's end notification joined on its key: still
-        one statement, so a conditional poll sees every change a ``GET`` would show."""
-        return self._poll(job_id, now, notified=True)
-
-    def _poll(
-        self, job_id: str, now: dt.datetime | None, *, notified: bool
-    ) -> tuple[JobRow, NotificationRow | None] | None:
         if not findable(job_id):
             return None
         now = aware_now(now)
-        name = "_poll_read_notified" if notified else "_poll_read"
-        read = self.__dict__.get(name)
+        read = self.__dict__.get("_poll_read")
         if read is None:
-            where = (jobs.c.id == bindparam("job_id"), visible(bindparam("now", type_=UTCDateTime)))
-            if notified:
-                q = (
-                    select(*JOB_COLS, *NOTE_COLS)
-                    .select_from(jobs.outerjoin(outbox, outbox.c.id == bindparam("note_id")))
-                    .where(*where)
-                )
-            else:
-                q = select(*JOB_COLS).where(*where)
-            types = [c.type for c in (*JOB_COLS, *(NOTE_COLS if notified else ()))]
-            read = Prepared(q, self._engine.dialect, types)
-            self.__dict__[name] = read
-        values = {"job_id": job_id, "now": now, "note_id": message_id(job_id)}
+            q = select(*JOB_COLS).where(
+                jobs.c.id == bindparam("job_id"), visible(bindparam("now", type_=UTCDateTime))
+            )
+            read = Prepared(q, self._engine.dialect, [c.type for c in JOB_COLS])
+            self.__dict__["_poll_read"] = read
         with self._engine.connect() as conn:
             if _watched(self._engine):
-                row = read.execute(conn, **values).first()
+                row = read.execute(conn, job_id=job_id, now=now).first()
             else:
-                row = _on_cursor(conn, read, values)
-        if row is None:
-            return None
-        row = read.convert(row)
-        t0 = len(JOB_COLS)
-        note = notification_from(row[t0:]) if notified and row[t0] is not None else None
-        return job_from(row[:t0]), note
+                row = _on_cursor(conn, read, {"job_id": job_id, "now": now})
+        return job_from(read.convert(row)) if row is not None else None
 
     @wrap_errors
     def get_job_with_targets_streamed(

@@ -236,7 +236,6 @@ STORE: dict[str, StoreScenario] = {
     ),
     "DB.get_job_with_targets_streamed": StoreScenario(_streamed),
     "DB.poll_job": StoreScenario(lambda db, c: db.poll_job(J_RUN, now=c.now)),
-    "DB.poll_job_notified": StoreScenario(lambda db, c: db.poll_job_notified(J_PARTIAL, now=c.now)),
     "DB.fail_job": StoreScenario(lambda db, c: db.fail_job(J_RUN, "stop", now=c.now)),
     "DB.mark_finished": StoreScenario(lambda db, c: db.mark_finished(J_CANCEL, now=c.now)),
     "DB.mark_in_flight_failed": StoreScenario(

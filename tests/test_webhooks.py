@@ -369,17 +369,17 @@ def test_sign_matches_the_specification_by_hand() -> None:
 def test_reads_that_show_a_job_show_its_notification_from_the_same_read(
     db: dcache.DB, receiver: Receiver
 ) -> None:
-    """poll_job_notified (one statement, the outbox joined on its key) and the streamed
-    status read (same connection) give the notification exactly as DB.notification does."""
+    """Runner.poll_notified and the streamed status read (on its own connection) give the
+    notification exactly as DB.notification does, and none for a job without a URL."""
     with batch.Runner(db, ok, webhooks=hooks()) as runner:
         with_url, _ = runner.submit("alice", "free", urls(1), notify=receiver.url)
         assert runner.wait(with_url, timeout=WAIT) is not None
         without, _ = runner.submit("alice", "free", urls(2))
         assert runner.wait(without, timeout=WAIT) is not None
         note = settled(runner, with_url)
-    assert db.poll_job_notified(with_url) == (db.poll_job(with_url), note)
-    assert db.poll_job_notified(without) == (db.poll_job(without), None)
-    assert db.poll_job_notified("0" * 32) is None
+        assert runner.poll_notified(with_url) == (runner.poll(with_url), note)
+        assert runner.poll_notified(without) == (runner.poll(without), None)
+        assert runner.poll_notified("0" * 32) is None
     for job_id, expected in ((with_url, note), (without, None)):
         stream = db.get_job_with_targets_streamed(job_id, notification=True)
         assert stream is not None
