@@ -413,6 +413,19 @@ class DB(
         with self._engine.begin() as conn:
             yield conn
 
+    def _one_statement(self) -> Connection:
+        """A pooled connection for a read of ONE statement (its own consistent snapshot).
+
+        On PostgreSQL it runs in autocommit: no BEGIN before it and no ROLLBACK when the
+        connection goes back to the pool, one round trip instead of three (psycopg sets
+        and resets autocommit locally). PyMySQL would send a SET for each, so the others
+        keep their transaction (SQLite's BEGIN costs no round trip).
+        """
+        conn = self._engine.connect()
+        if self.dialect == "postgresql":
+            conn.execution_options(isolation_level="AUTOCOMMIT")
+        return conn
+
     @contextlib.contextmanager
     def _control(self) -> Iterator[Connection]:
         """A write transaction on the control pool (heartbeat and reaping)."""

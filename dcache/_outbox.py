@@ -121,6 +121,8 @@ class OutboxQueries:
 
         def _read(self) -> AbstractContextManager[Connection]: ...
 
+        def _one_statement(self) -> Connection: ...
+
     @wrap_errors
     def claim_notifications(
         self,
@@ -207,7 +209,7 @@ class OutboxQueries:
         """The job's end notification, or ``None`` (no URL, not ended, or purged)."""
         if not findable(job_id):
             return None
-        with self._read() as conn:
+        with self._one_statement() as conn:
             return read_notification(conn, job_id)
 
     @wrap_errors

@@ -32,6 +32,8 @@ class JobReads:
 
         def _read(self) -> AbstractContextManager[Connection]: ...
 
+        def _one_statement(self) -> Connection: ...
+
         _status_brief: Prepared
 
         _status_read: Prepared
@@ -42,7 +44,7 @@ class JobReads:
         if not findable(job_id):
             return None
         now = aware_now(now)
-        with self._read() as conn:
+        with self._one_statement() as conn:
             row = conn.execute(select(*JOB_COLS).where(jobs.c.id == job_id, visible(now))).first()
         return job_row(row) if row is not None else None
 
@@ -63,7 +65,7 @@ class JobReads:
         read = self._status_read if results else self._status_brief
         # Status polling is the hot read: one prepared statement, the job's columns
         # converted once (from the first row), the targets' from every row.
-        with self._engine.connect() as conn:
+        with self._one_statement() as conn:
             raw = conn.exec_driver_sql(read.sql, read.params({"job_id": job_id, "now": now}))
             rows = raw.fetchall()
         if not rows:
@@ -91,7 +93,7 @@ class JobReads:
             .select_from(jobs.join(targets, targets.c.job_id == jobs.c.id))
             .where(jobs.c.id == job_id, targets.c.idx == idx, visible(now))
         )
-        with self._read() as conn:
+        with self._one_statement() as conn:
             row = conn.execute(q).first()
         if row is None:
             return None
@@ -115,7 +117,7 @@ class JobReads:
         q = select(func.substr(targets.c.result, start + 1, length)).where(
             targets.c.job_id == job_id, targets.c.idx == idx
         )
-        with self._read() as conn:
+        with self._one_statement() as conn:
             row = conn.execute(q).first()
         return None if row is None else row[0]
 

@@ -158,6 +158,8 @@ class WebReads:
 
         def _write(self) -> AbstractContextManager[Connection]: ...
 
+        def _one_statement(self) -> Connection: ...
+
         @staticmethod
         def _cancel(conn: Connection, job_id: str, ttl: dt.timedelta, now: dt.datetime) -> bool: ...
 
@@ -179,7 +181,7 @@ class WebReads:
             )
             read = Prepared(q, self._engine.dialect, [c.type for c in JOB_COLS])
             self.__dict__["_poll_read"] = read
-        with self._engine.connect() as conn:
+        with self._one_statement() as conn:
             if _watched(self._engine):
                 row = read.execute(conn, job_id=job_id, now=now).first()
             else:
@@ -210,7 +212,7 @@ class WebReads:
             return None
         now = aware_now(now)
         read = self._status_read if results else self._status_brief
-        conn = self._engine.connect()
+        conn = self._one_statement()
         try:
             # No server-side cursor: on PostgreSQL a named cursor costs a round trip per
             # FETCH, which more than doubles a small job's read. The driver receives the

@@ -499,6 +499,43 @@ def test_a_result_is_read_whole_brief_or_a_slice_at_a_time(db: DB) -> None:
         db.get_result_slice(job.id, 0, -1, 10)
 
 
+def test_one_statement_reads_open_no_transaction_on_postgresql(db: DB) -> None:
+    """On PostgreSQL the reads of one statement run in autocommit: no BEGIN before them and
+    no ROLLBACK after (one round trip, not three); the writes keep their transactions."""
+    if db.dialect != "postgresql":
+        pytest.skip("autocommit reads on PostgreSQL only (PyMySQL would pay a SET for each)")
+    import psycopg
+
+    job = created(db, n=1)
+    assert db.write_target(job.id, 0, status="done", result='{"content": "x"}', ttl=TTL, now=T0)
+    states: list[tuple[str, Any]] = []
+
+    def seen(conn: Any, _cur: Any, statement: str, *_: Any) -> None:
+        info = conn.connection.driver_connection.info
+        states.append((statement.split(maxsplit=1)[0].upper(), info.transaction_status))
+
+    event.listen(db.engine, "after_cursor_execute", seen)
+    try:
+        assert db.get_job(job.id, now=T0) is not None
+        assert db.poll_job(job.id, now=T0) is not None
+        assert db.get_job_with_targets(job.id, now=T0) is not None
+        stream = db.get_job_with_targets_streamed(job.id, now=T0, notification=True)
+        assert stream is not None
+        with stream:
+            assert len(list(stream)) == 1
+        assert db.get_target(job.id, 0, now=T0) is not None
+        assert db.get_result_slice(job.id, 0, 0, 5) == '{"con'
+        assert db.notification(job.id) is None
+        reads = list(states)
+        states.clear()
+        assert db.cancel(job.id, now=T0) is False  # a write: inside its transaction
+    finally:
+        event.remove(db.engine, "after_cursor_execute", seen)
+    idle = psycopg.pq.TransactionStatus.IDLE
+    assert len(reads) >= 7 and all(s == idle for _, s in reads), reads
+    assert any(s == psycopg.pq.TransactionStatus.INTRANS for _, s in states), states
+
+
 def _break_statements(db: DB, marker: str, *, table: str = "batch_job") -> Any:
     """An engine hook that turns the UPDATE of ``table`` for a write whose parameters
     hold ``marker`` into invalid SQL: a real database error at exactly that statement
