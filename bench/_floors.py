@@ -300,10 +300,18 @@ class RawStore:
 
     def status(self, job_id: str) -> list[Any]:
         # One statement: on SQLite in autocommit mode it is its own (consistent) read
-        # transaction; the servers need the COMMIT to end theirs.
-        self.cur.execute(self.q_status, (job_id, self.ts(utcnow())))
-        rows = self.cur.fetchall()
-        if self.kind != "sqlite":
+        # transaction, and on PostgreSQL too (as dcache reads it: one round trip); MariaDB
+        # needs the COMMIT to end its transaction (PyMySQL's autocommit costs a SET).
+        auto = self.kind == "postgresql"
+        if auto:
+            self.conn.autocommit = True
+        try:
+            self.cur.execute(self.q_status, (job_id, self.ts(utcnow())))
+            rows = self.cur.fetchall()
+        finally:
+            if auto:
+                self.conn.autocommit = False
+        if self.kind not in ("sqlite", "postgresql"):
             self.conn.commit()
         return list(rows)
 

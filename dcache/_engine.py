@@ -24,6 +24,9 @@ What it attaches, and why here rather than per checkout or per statement:
 - **No reconnect after a silent pre-ping.** A pre-ping that timed out says the server is
   silent; reconnecting at once would add a whole ``connect_timeout`` to the request's
   wait, so the checkout fails (transient) and the next request gets a new connection.
+- **A ping only after a pause.** The pre-ping is skipped for a connection given back to
+  the pool less than half a second ago (:class:`RecentPing`): under load every checkout
+  paid a round trip for it, as long as the read it guarded.
 - **SQLite's hooks**: BEGIN IMMEDIATE for writes, WAL, busy timeout.
 """
 
@@ -32,6 +35,9 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
+import time
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import stamina
@@ -85,6 +91,38 @@ def prepare_engine(
         event.listen(engine, "do_connect", _ConnectArgs(io_timeout))
     if not event.contains(engine, "handle_error", _silent_ping_fails):
         event.listen(engine, "handle_error", _silent_ping_fails)
+    if getattr(pool, "_pre_ping", False) and not isinstance(dialect.do_ping, RecentPing):
+        recent = RecentPing(dialect.do_ping)
+        # The engine's own dialect instance: this engine's pings only.
+        setattr(dialect, "do_ping", recent)  # noqa: B010 (mypy: a method is not assignable)
+        event.listen(pool, "checkin", recent.checkin)
+
+
+class RecentPing:
+    """The pool's pre-ping, skipped for a connection given back less than ``window``
+    seconds ago (HikariCP's ``aliveBypassWindowMs``).
+
+    A ping is a round trip as long as a short read's own: on a busy pool it doubled the
+    cost of every read. A connection used moments ago is alive but for a server that
+    went away in those moments, and then the statement fails as a lost connection
+    (SQLAlchemy invalidates the pool) as it would have a moment later; a connection idle
+    for longer, as every one is after a server restart, is still pinged first.
+    """
+
+    def __init__(self, ping: Callable[[Any], bool], window: float = 0.5) -> None:
+        self.ping = ping
+        self.window = window
+        self.used: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+
+    def __call__(self, dbapi_conn: Any) -> bool:
+        last = self.used.get(dbapi_conn)
+        if last is not None and time.monotonic() - last < self.window:
+            return True
+        return self.ping(dbapi_conn)
+
+    def checkin(self, dbapi_conn: Any, _record: Any) -> None:
+        if dbapi_conn is not None:  # None: the connection was invalidated
+            self.used[dbapi_conn] = time.monotonic()
 
 
 class _ConnectionSetup:

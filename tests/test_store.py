@@ -536,6 +536,36 @@ def test_one_statement_reads_open_no_transaction_on_postgresql(db: DB) -> None:
     assert any(s == psycopg.pq.TransactionStatus.INTRANS for _, s in states), states
 
 
+def test_a_connection_given_back_moments_ago_is_not_pinged_again(db: DB) -> None:
+    """The servers' pre-ping is skipped within half a second of a connection's last use
+    (a round trip as long as a short read's own), and done after a pause."""
+    if db.dialect == "sqlite":
+        pytest.skip("SQLite's pool is not pre-pinged: there is no server to lose")
+    from dcache._engine import RecentPing
+
+    recent = db.engine.dialect.do_ping
+    assert isinstance(recent, RecentPing)
+    real = recent.ping
+    pinged: list[Any] = []
+
+    def ping(dbapi_conn: Any) -> bool:
+        pinged.append(dbapi_conn)
+        return real(dbapi_conn)
+
+    recent.ping = ping
+    try:
+        assert db.get_job("0" * 32) is None
+        pinged.clear()
+        for _ in range(5):
+            assert db.get_job("0" * 32) is None
+        assert pinged == []  # each checkout found a connection given back just now
+        recent.window = 0.0
+        assert db.get_job("0" * 32) is None
+        assert len(pinged) == 1  # after a pause (here: any), pinged before use
+    finally:
+        recent.ping, recent.window = real, 0.5
+
+
 def _break_statements(db: DB, marker: str, *, table: str = "batch_job") -> Any:
     """An engine hook that turns the UPDATE of ``table`` for a write whose parameters
     hold ``marker`` into invalid SQL: a real database error at exactly that statement
