@@ -141,6 +141,10 @@ class _ConnectionSetup:
         # A driver error here propagates out of the pool's checkout, which SQLAlchemy
         # wraps (and invalidates the record), so the store translates it.
         self.dialect.set_isolation_level(dbapi_conn, ISOLATION_LEVEL)
+        # What a connection goes back to after a read in autocommit (DB._one_statement):
+        # SQLAlchemy resets it to the level it found on the server's first connection,
+        # which a server configured otherwise would make other than this one.
+        self.dialect.default_isolation_level = ISOLATION_LEVEL
         info[_SETUP_KEY] = True
 
 

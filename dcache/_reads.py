@@ -203,10 +203,9 @@ class WebReads:
         first target) is read before this returns; ``None`` (and no connection held) when
         the job is unknown or its lease has lapsed. With ``results=False`` the results are
         left out and their sizes read instead, as there. With ``notification=True`` an
-        ended job's end notification is read too, on the same connection and in the same
-        transaction (``JobStream.notification``): never a second connection while the
-        stream holds one (on SQLite without WAL that could wait for a commit that waits
-        for the stream).
+        ended job's end notification is read too, on the same connection
+        (``JobStream.notification``): never a second connection while the stream holds
+        one (on SQLite without WAL that could wait for a commit that waits for the stream).
         """
         if not findable(job_id):
             return None

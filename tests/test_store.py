@@ -499,11 +499,10 @@ def test_a_result_is_read_whole_brief_or_a_slice_at_a_time(db: DB) -> None:
         db.get_result_slice(job.id, 0, -1, 10)
 
 
+@pytest.mark.parametrize("backend", ["postgresql", "pgbouncer"])
 def test_one_statement_reads_open_no_transaction_on_postgresql(db: DB) -> None:
     """On PostgreSQL the reads of one statement run in autocommit: no BEGIN before them and
     no ROLLBACK after (one round trip, not three); the writes keep their transactions."""
-    if db.dialect != "postgresql":
-        pytest.skip("autocommit reads on PostgreSQL only (PyMySQL would pay a SET for each)")
     import psycopg
 
     job = created(db, n=1)
@@ -536,11 +535,33 @@ def test_one_statement_reads_open_no_transaction_on_postgresql(db: DB) -> None:
     assert any(s == psycopg.pq.TransactionStatus.INTRANS for _, s in states), states
 
 
+@pytest.mark.parametrize("backend", ["postgresql"])
+def test_after_a_read_in_autocommit_transactions_are_still_read_committed(
+    db: DB, backend: str, tmp_path: Path
+) -> None:
+    """A server whose default isolation is stricter than the store's: a read in autocommit
+    hands its connection back at READ COMMITTED, the level the store sets on every one,
+    not at the server's default (what SQLAlchemy found on its first connection)."""
+    strict = {"options": "-c default_transaction_isolation=serializable"}
+    store = DB.open(
+        backend_url(backend, tmp_path), pool_size=1, max_overflow=0, connect_args=strict
+    )
+    try:
+        with store.engine.connect() as conn:  # the server's own default, on a raw connection
+            raw = conn.connection.driver_connection
+            assert raw.execute("SHOW default_transaction_isolation").fetchone()[0] == "serializable"
+        assert store.get_job("0" * 32) is None  # a read in autocommit on the pool's only one
+        with store.engine.begin() as conn:
+            level = conn.exec_driver_sql("SHOW transaction_isolation").scalar_one()
+        assert level == "read committed"
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "pgbouncer", "mariadb"])
 def test_a_connection_given_back_moments_ago_is_not_pinged_again(db: DB) -> None:
     """The servers' pre-ping is skipped within half a second of a connection's last use
     (a round trip as long as a short read's own), and done after a pause."""
-    if db.dialect == "sqlite":
-        pytest.skip("SQLite's pool is not pre-pinged: there is no server to lose")
     from dcache._engine import RecentPing
 
     recent = db.engine.dialect.do_ping

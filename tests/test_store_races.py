@@ -198,12 +198,11 @@ def test_cancel_racing_the_last_write_leaves_one_consistent_story(db: DB) -> Non
         assert stored.finished_at is not None
 
 
+@pytest.mark.parametrize("backend", ["postgresql", "pgbouncer"])
 def test_the_postgresql_write_locks_the_target_before_the_job(db: DB) -> None:
     """PostgreSQL's per-target write is one statement: the target's compare-and-set in a
     CTE, the job's update filtered on it. Its plan must run the CTE first (a one-time
     filter above the job's scan), so it locks rows in purge's order, target then job."""
-    if db.dialect != "postgresql":
-        pytest.skip("one statement per write on PostgreSQL only (others run two in order)")
     job = submit(db, caller="alice", key=procs.idem("plan"), n=1).job
     assert job is not None
     prepared = db._group._job
