@@ -268,35 +268,30 @@ class RawStore:
         now = utcnow()
         ts = self.ts(now)
         failed = 1 if status == "failed" else 0
+        target_values = (status, result, "", "", ts, job_id, idx)
+        job_values = (ts, failed, failed, failed, ts, self.ts(now + TTL), job_id)
         cur = self.cur
         self._begin()
         try:
-            if self.q_both is not None:
-                job_values = (ts, failed, failed, failed, ts, self.ts(now + TTL), job_id)
-                cur.execute(self.q_both, (status, result, "", "", ts, job_id, idx, *job_values))
+            if self.q_both is not None:  # one statement: no row back, the target was not pending
+                cur.execute(self.q_both, (*target_values, *job_values))
                 row = cur.fetchone()
-                if row is None:
-                    cur.execute(self.q_state, (job_id,))
+            else:
+                cur.execute(self.q_target, target_values)
+                row = None
+                if cur.rowcount == 1:
+                    cur.execute(self.q_job, job_values)
+                    if not self.returning:
+                        cur.execute(self.q_state, (job_id,))
                     row = cur.fetchone()
-                    self._commit()
-                    return False if row is None else row[0] in ("queued", "running")
-                self._commit()
-                return bool(row[0] in ("queued", "running"))
-            cur.execute(self.q_target, (status, result, "", "", ts, job_id, idx))
-            if cur.rowcount != 1:
+            if row is None:  # nothing written: the job's state as it is
                 cur.execute(self.q_state, (job_id,))
                 row = cur.fetchone()
-                self._commit()
-                return False if row is None else row[0] in ("queued", "running")
-            cur.execute(self.q_job, (ts, failed, failed, failed, ts, self.ts(now + TTL), job_id))
-            if not self.returning:
-                cur.execute(self.q_state, (job_id,))
-            st, _finished = cur.fetchone()
             self._commit()
         except BaseException:
             self._rollback()
             raise
-        return bool(st in ("queued", "running"))
+        return row is not None and row[0] in ("queued", "running")
 
     def status(self, job_id: str) -> list[Any]:
         # One statement: on SQLite in autocommit mode it is its own (consistent) read

@@ -366,7 +366,7 @@ def test_sign_matches_the_specification_by_hand() -> None:
     )
 
 
-def test_reads_that_show_a_job_show_its_notification_from_the_same_read(
+def test_reads_that_show_a_job_show_its_notification_with_it(
     db: dcache.DB, receiver: Receiver
 ) -> None:
     """Runner.poll_notified and the streamed status read (on its own connection) give the
