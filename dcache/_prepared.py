@@ -62,8 +62,9 @@ class Prepared:
             else:
                 value = bind.effective_value
                 self._fixed[name] = process(value) if process is not None else value
-        self._results: list[_Processor] = [
-            t.dialect_impl(dialect).result_processor(dialect, None) for t in result_types
+        processors = [t.dialect_impl(dialect).result_processor(dialect, None) for t in result_types]
+        self._results: list[tuple[int, Callable[[Any], Any]]] = [
+            (i, p) for i, p in enumerate(processors) if p is not None
         ]
 
     def params(self, values: Mapping[str, Any]) -> tuple[Any, ...] | dict[str, Any]:
@@ -86,7 +87,7 @@ class Prepared:
         Columns before ``start`` are left as the driver returned them.
         """
         out = list(row)
-        for i, process in enumerate(self._results[start:], start):
-            if process is not None:
+        for i, process in self._results:
+            if i >= start:
                 out[i] = process(out[i])
         return tuple(out)

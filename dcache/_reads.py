@@ -43,25 +43,40 @@ def _watched(engine: Engine) -> bool:
     return bool(engine.echo or dispatch.before_cursor_execute or dispatch.after_cursor_execute)
 
 
-def _on_cursor(conn: Connection, read: Prepared, values: dict[str, Any]) -> Any:
-    """One row of ``read`` from the connection's DBAPI cursor, when nobody watches.
+def _one_row(engine: Engine, read: Prepared, values: dict[str, Any], *, autocommit: bool) -> Any:
+    """One row of ``read`` on a pooled DBAPI connection, when nobody watches statements.
 
-    SQLAlchemy's per-execute work (execution context, result set-up) costs several times
-    SQLite's own for this one-row read; the statement, its parameters' conversion and the
-    error translation are the same as through the engine (see ``dcache._writer``).
+    SQLAlchemy's per-execute work (a ``Connection``, its execution context, result set-up,
+    the isolation level set and reset around an autocommit read) costs several times
+    SQLite's own for this one-row read. The statement, its parameters' conversion, the
+    pool (pre-ping, reset on return) and the error translation (a disconnect invalidates)
+    are the same as through the engine (see ``dcache._writer``). ``autocommit`` runs it
+    outside a transaction on the driver (psycopg: no BEGIN, no ROLLBACK; a local switch,
+    no round trip), put back before the connection returns to the pool.
     """
-    from ._writer import _as_sqlalchemy
+    from ._writer import driver_error
 
-    dbapi: Any = conn.connection.driver_connection
-    cursor = dbapi.cursor()
+    pooled = engine.raw_connection()
+    dbapi: Any = pooled.driver_connection
+    cursor = None
     try:
+        if autocommit:
+            dbapi.autocommit = True
+        cursor = dbapi.cursor()
         cursor.execute(read.sql, read.params(values))
         return cursor.fetchone()
     except Exception as exc:
-        raise _as_sqlalchemy(conn, exc, read.sql, cursor) from exc
+        raise driver_error(engine, pooled, exc, read.sql, cursor) from exc
     finally:
-        with contextlib.suppress(Exception):
-            cursor.close()
+        if cursor is not None:
+            with contextlib.suppress(Exception):
+                cursor.close()
+        if autocommit and pooled.is_valid:
+            try:
+                dbapi.autocommit = False
+            except Exception as exc:
+                pooled.invalidate(exc)
+        pooled.close()
 
 
 class JobStream:
@@ -153,6 +168,7 @@ class WebReads:
 
     if TYPE_CHECKING:
         _engine: Engine
+        dialect: str
         _status_read: Prepared
         _status_brief: Prepared
 
@@ -181,11 +197,12 @@ class WebReads:
             )
             read = Prepared(q, self._engine.dialect, [c.type for c in JOB_COLS])
             self.__dict__["_poll_read"] = read
-        with self._one_statement() as conn:
-            if _watched(self._engine):
+        if _watched(self._engine):
+            with self._one_statement() as conn:
                 row = read.execute(conn, job_id=job_id, now=now).first()
-            else:
-                row = _on_cursor(conn, read, {"job_id": job_id, "now": now})
+        else:
+            values = {"job_id": job_id, "now": now}
+            row = _one_row(self._engine, read, values, autocommit=self.dialect == "postgresql")
         return job_from(read.convert(row)) if row is not None else None
 
     @wrap_errors

@@ -11,6 +11,7 @@ import datetime as dt
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 from sqlalchemy import Row, bindparam, literal_column, null, or_, select
 
 from ._rows import JobRow
@@ -50,13 +51,15 @@ def aware_now(now: dt.datetime | None) -> dt.datetime:
 
 def job_from(values: Sequence[Any]) -> JobRow:
     """A job row from its columns' values in table order (see ``JOB_COLS``)."""
-    m = dict(zip(JOB_NAMES, values, strict=True))
-    ttl = dt.timedelta(microseconds=m.pop("ttl_us"))
-    if m["status"] in LIVE:
+    if len(values) != len(JOB_NAMES):
+        raise ValueError(f"a job row has {len(JOB_NAMES)} columns, not {len(values)}")
+    v = list(values)
+    ttl = v[_TTL] = dt.timedelta(microseconds=v[_TTL])
+    if v[_STATUS] in LIVE:
         # A live job's lease is its last write + ttl; the per-target write does not store
         # it (the expiry index is left alone on the hot path, see dcache._writer).
-        m["expires_at"] = m["updated_at"] + ttl
-    return JobRow(ttl=ttl, **m)
+        v[_EXPIRES] = v[_UPDATED] + ttl
+    return JobRow(*[v[i] for i in _JOB_ROW_ORDER])
 
 
 def job_row(row: Row[Any]) -> JobRow:
@@ -67,6 +70,13 @@ JOB_COLS = [c for c in jobs.c]
 
 
 JOB_NAMES = [c.name for c in JOB_COLS]
+_TTL, _STATUS, _UPDATED, _EXPIRES = (
+    JOB_NAMES.index(n) for n in ("ttl_us", "status", "updated_at", "expires_at")
+)
+# Each of JobRow's fields, in its order, by the position of its column ("ttl": "ttl_us").
+_JOB_ROW_ORDER = [
+    JOB_NAMES.index("ttl_us" if f.name == "ttl" else f.name) for f in attrs.fields(JobRow)
+]
 
 
 TARGET_COLS = [

@@ -37,6 +37,9 @@ from ._rows import WriteOutcome
 from ._schema import LIVE, UTCDateTime, jobs, targets
 
 if TYPE_CHECKING:
+    from sqlalchemy import Engine
+    from sqlalchemy.pool import PoolProxiedConnection
+
     from ._db import DB
 
 __all__ = ["MAX_BATCH", "GroupWriter"]
@@ -346,20 +349,31 @@ def _as_sqlalchemy(conn: Connection, exc: Exception, sql: str, cursor: Any) -> E
 
     Anything else (not the driver's) is returned unchanged.
     """
-    dialect = conn.dialect
+    err = driver_error(conn.engine, conn.connection, exc, sql, cursor)
+    if isinstance(err, sa_exc.DBAPIError) and err.connection_invalidated:
+        with contextlib.suppress(Exception):
+            conn.invalidate(exc)
+    return err
+
+
+def driver_error(
+    engine: Engine, pooled: PoolProxiedConnection, exc: Exception, sql: str, cursor: Any
+) -> Exception:
+    """A driver error on a pooled connection as SQLAlchemy raises it.
+
+    A disconnect invalidates the connection, and every pooled connection opened before
+    now (as SQLAlchemy does for a disconnect under ``Connection.execute``: a server
+    restart killed them all; each is replaced at its next checkout, not handed out to
+    fail again). Anything else (not the driver's) is returned unchanged.
+    """
+    dialect = engine.dialect
     base = getattr(dialect.loaded_dbapi, "Error", ())
     if not (base and isinstance(exc, base)):
         return exc
-    dbapi = conn.connection.driver_connection
-    disconnect = bool(dialect.is_disconnect(exc, dbapi, cursor))
+    disconnect = bool(dialect.is_disconnect(exc, pooled.driver_connection, cursor))
     if disconnect:
         with contextlib.suppress(Exception):
-            # As SQLAlchemy does for a disconnect under Connection.execute: every pooled
-            # connection opened before now is suspect too (a server restart killed them
-            # all) and is replaced at its next checkout, not handed out to fail again.
-            conn.engine.pool._invalidate(conn.connection, exc)
-        with contextlib.suppress(Exception):
-            conn.invalidate(exc)
+            engine.pool._invalidate(pooled, exc)
     err: Exception = sa_exc.DBAPIError.instance(
         sql, None, exc, base, connection_invalidated=disconnect
     )
