@@ -1138,7 +1138,8 @@ class Runner:
         """As :meth:`result`, the job too and the result as its stored JSON text.
 
         With ``results=False`` the result is left out (``None``) and its size in bytes is
-        in ``result_bytes``; read it a slice at a time with :meth:`result_slice`.
+        in ``result_bytes``; read it a slice at a time with :meth:`read_result` (bytes) or
+        :meth:`result_slice` (characters).
         """
         if not _plausible_id(job_id):
             return None
@@ -1159,6 +1160,16 @@ class Runner:
         if not _plausible_id(job_id):
             return None
         return self._db.get_result_slice(job_id, idx, start, length)
+
+    def read_result(self, job_id: str, idx: int, offset: int, size: int) -> bytes | None:
+        """Bytes ``offset`` to ``offset + size`` of a target's stored result text, UTF-8.
+
+        ``b""`` past its end, ``None`` when it is not stored (or no longer); see
+        :meth:`dcache.DB.read_result`. Check the job first (:meth:`result_raw`).
+        """
+        if not _plausible_id(job_id):
+            return None
+        return self._db.read_result(job_id, idx, offset, size)
 
     def cancel_job(self, job_id: str, *, caller: str | None = None) -> tuple[bool, Job | None]:
         """As :meth:`cancel`, returning the job as the cancel decided it (no second read).

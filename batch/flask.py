@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import codecs
 import contextlib
 import hashlib
 import json
@@ -394,11 +395,11 @@ class BatchAPI:
             )
         index = target.idx
 
-        def read(start: int, length: int) -> str:
-            text = self.runner.result_slice(job_id, index, start, length)
-            if text is None:
+        def read(offset: int, size: int) -> bytes:
+            data = self.runner.read_result(job_id, index, offset, size)
+            if data is None:
                 raise dcache.StoreError(f"the result of target {index} of job {job_id} is gone")
-            return text
+            return data
 
         parts = _content_parts(read)
         if parts is None:  # not the runner's own layout: decode it whole
@@ -631,13 +632,13 @@ def _index_arg(raw: str) -> int | None:
 
 # -- raw content, read and decoded a slice at a time ------------------------------------------
 
-_CONTENT_PREFIX = '{"content": "'  # how the runner stores a result (json.dumps defaults)
+_CONTENT_PREFIX = b'{"content": "'  # how the runner stores a result (json.dumps defaults)
 _META_PREFIX = ', "meta": '
-# Characters of the stored text per read (a multiple of 4: base64). Each read holds about
-# four copies of a slice at once (the driver's, the text, the decoded and encoded piece).
+# Bytes of the stored text (UTF-8) per read. Each read holds about four copies of a slice
+# at once (the driver's, the bytes, the decoded and the encoded piece).
 _SLICE = 128 * 1024
 
-_Read = Callable[[int, int], str]  # (start, length) -> that slice of the stored text
+_Read = Callable[[int, int], bytes]  # (offset, size) -> those bytes of the stored text
 
 
 def _content_parts(read: _Read) -> tuple[Any, Iterator[str]] | None:
@@ -645,7 +646,8 @@ def _content_parts(read: _Read) -> tuple[Any, Iterator[str]] | None:
     time. ``None`` when the text is not laid out as the runner writes it.
 
     Two passes over the content: the first finds where its JSON string ends (the meta,
-    which gives the content type, comes after it), the second decodes it.
+    which gives the content type, comes after it), the second decodes it. Both scan
+    UTF-8 bytes cut anywhere: a quote or a backslash is never part of a longer character.
     """
     start = len(_CONTENT_PREFIX)
     if read(0, start) != _CONTENT_PREFIX:
@@ -653,7 +655,10 @@ def _content_parts(read: _Read) -> tuple[Any, Iterator[str]] | None:
     end = _content_end(read, start)
     if end < 0:
         return None
-    rest = _read_to_end(read, end + 1)
+    try:
+        rest = _read_to_end(read, end + 1).decode("utf-8")
+    except UnicodeDecodeError:
+        return None
     meta: Any = {}
     if rest.startswith(_META_PREFIX) and rest.endswith("}"):
         try:
@@ -672,42 +677,45 @@ def _content_end(read: _Read, start: int) -> int:
         chunk = read(pos, _SLICE)
         if not chunk:
             return -1
-        i = 1 if escaped else 0  # the character after a slice's last backslash is escaped
+        i = 1 if escaped else 0  # the byte after a slice's last backslash is escaped
         q = _string_end(chunk, i)
         if q >= 0:
             return pos + q
-        run = len(chunk) - len(chunk.rstrip("\\"))
+        run = len(chunk) - len(chunk.rstrip(b"\\"))
         escaped = min(run, max(len(chunk) - i, 0)) % 2 == 1
         pos += len(chunk)
 
 
-def _string_end(text: str, i: int) -> int:
+def _string_end(text: bytes, i: int) -> int:
     """Where a JSON string body that goes on at ``i`` of ``text`` ends (its closing quote,
     not escaped), or -1 when it goes past the end of ``text``."""
     while True:
-        q = text.find('"', i)
+        q = text.find(b'"', i)
         if q < 0:
             return -1
         b = q
-        while b > i and text[b - 1] == "\\":
+        while b > i and text[b - 1] == _BACKSLASH:
             b -= 1
         if (q - b) % 2 == 0:  # not itself escaped
             return q
         i = q + 1
 
 
-def _read_to_end(read: _Read, pos: int) -> str:
+_BACKSLASH = ord("\\")
+
+
+def _read_to_end(read: _Read, pos: int) -> bytes:
     """The stored text from ``pos`` to its end."""
     parts = []
     while True:
         chunk = read(pos, _SLICE)
         parts.append(chunk)
         if len(chunk) < _SLICE:
-            return "".join(parts)
+            return b"".join(parts)
         pos += len(chunk)
 
 
-def _slices(read: _Read, start: int, end: int) -> Iterator[str]:
+def _slices(read: _Read, start: int, end: int) -> Iterator[bytes]:
     """The stored text from ``start`` to ``end``, a slice at a time."""
     pos = start
     while pos < end:
@@ -718,11 +726,12 @@ def _slices(read: _Read, start: int, end: int) -> Iterator[str]:
         pos += len(chunk)
 
 
-def _decoded(escaped: Iterator[str]) -> Iterator[str]:
-    """The body of a JSON string decoded, given as slices of its escaped text cut anywhere."""
+def _decoded(escaped: Iterator[bytes]) -> Iterator[str]:
+    """The body of a JSON string decoded, given as slices of its UTF-8 bytes cut anywhere."""
+    utf8 = codecs.getincrementaldecoder("utf-8")()
     carry = ""
-    for chunk in escaped:
-        text = carry + chunk
+    for raw in escaped:
+        text = carry + utf8.decode(raw)
         # An escape is at most 6 characters (\\uXXXX) and a surrogate pair 12: a cut inside
         # one does not decode (or leaves half a pair), so try a few cuts before the end.
         for j in range(len(text), max(len(text) - 12, 0) - 1, -1):
@@ -737,6 +746,7 @@ def _decoded(escaped: Iterator[str]) -> Iterator[str]:
         carry = text[j:]
         if piece:
             yield piece
+    carry += utf8.decode(b"", final=True)
     if carry:
         yield json.loads('"' + carry + '"')
 

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import datetime as dt
+import sqlite3
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, Engine, func, select
+import attrs
+from sqlalchemy import Connection, Engine, func, null, select
 
+from . import _sql
 from ._errors import wrap_errors
 from ._prepared import Prepared
 from ._rows import JobRow, Lookup, TargetRow
-from ._schema import LIVE, jobs, targets, tombstones
+from ._schema import LIVE, TARGET_ROWID, jobs, targets, tombstones, utf8
 from ._shared import (
     JOB_COLS,
     TARGET_COLS,
@@ -29,6 +32,7 @@ class JobReads:
 
     if TYPE_CHECKING:
         _engine: Engine
+        dialect: str
 
         def _read(self) -> AbstractContextManager[Connection]: ...
 
@@ -88,6 +92,8 @@ class JobReads:
         if not findable(job_id) or isinstance(idx, bool) or not isinstance(idx, int):
             return None
         now = aware_now(now)
+        if not results and self.dialect == "sqlite" and self._sqlite_blobs():
+            return self._get_target_sized(job_id, idx, now)
         q = (
             select(*JOB_COLS, *(TARGET_COLS if results else TARGET_COLS_BRIEF))
             .select_from(jobs.join(targets, targets.c.job_id == jobs.c.id))
@@ -120,6 +126,83 @@ class JobReads:
         with self._one_statement() as conn:
             row = conn.execute(q).first()
         return None if row is None else row[0]
+
+    @wrap_errors
+    def read_result(self, job_id: str, idx: int, offset: int, size: int) -> bytes | None:
+        """Bytes ``offset`` to ``offset + size`` (from 0) of a target's stored result, UTF-8.
+
+        As :meth:`get_result_slice`, in bytes of the text's UTF-8 encoding, cut anywhere
+        (a reader decodes incrementally). The servers cut the value and send only the
+        slice; SQLite reads it in place through its incremental blob I/O (Python 3.11+),
+        so not even the database library loads the whole value (``substr`` would, for
+        each slice). ``b""`` past its end; ``None`` when the target or its result is not
+        (or no longer) stored. Lease and owner are not checked: read the target first.
+        """
+        if not findable(job_id) or isinstance(idx, bool) or not isinstance(idx, int):
+            return None
+        if offset < 0 or size < 0:
+            raise ValueError(f"a slice needs offset >= 0 and size >= 0, not {offset}, {size}")
+        where = (targets.c.job_id == job_id, targets.c.idx == idx, targets.c.result.is_not(None))
+        if self.dialect == "sqlite" and self._sqlite_blobs():
+            # The row's rowid and the blob handle in one read transaction: the same row.
+            with self._read() as conn:
+                rowid = conn.execute(select(TARGET_ROWID).where(*where)).scalar()
+                if rowid is None:
+                    return None
+                dbapi: Any = conn.connection.driver_connection
+                with dbapi.blobopen(targets.name, targets.c.result.name, rowid) as blob:
+                    end = len(blob)
+                    if offset >= end or size == 0:
+                        return b""
+                    blob.seek(offset)
+                    data: bytes = blob.read(min(size, end - offset))
+                conn.exec_driver_sql(_sql.SQLITE_SHRINK_MEMORY)
+                return data
+        q = select(func.substr(utf8(targets.c.result), offset + 1, size)).where(*where)
+        with self._one_statement() as conn:
+            row = conn.execute(q).first()
+        if row is None:
+            return None
+        return bytes(row[0] or b"")  # SQLite's substr of an empty blob is NULL
+
+    def _get_target_sized(
+        self, job_id: str, idx: int, now: dt.datetime
+    ) -> tuple[JobRow, TargetRow] | None:
+        """``get_target(results=False)`` on SQLite, the result's size from its blob handle:
+        SQLite's ``length(CAST(result AS BLOB))`` loads the whole value to measure it
+        (``octet_length``, which would not, is SQLite 3.43+), the handle reads its header."""
+        brief = [null().label("result") if c is targets.c.result else c for c in TARGET_COLS]
+        q = (
+            select(*JOB_COLS, *brief, TARGET_ROWID)
+            .add_columns(func.typeof(targets.c.result))  # from the record's header too
+            .select_from(jobs.join(targets, targets.c.job_id == jobs.c.id))
+            .where(jobs.c.id == job_id, targets.c.idx == idx, visible(now))
+        )
+        with self._read() as conn:  # the row and its blob handle: one snapshot
+            row = conn.execute(q).first()
+            if row is None:
+                return None
+            *values, rowid, kind = tuple(row)
+            size = None
+            if kind != "null":
+                dbapi: Any = conn.connection.driver_connection
+                with dbapi.blobopen(targets.name, targets.c.result.name, rowid) as blob:
+                    size = len(blob)
+        t0 = len(JOB_COLS)
+        return job_from(values[:t0]), attrs.evolve(TargetRow(*values[t0:]), result_bytes=size)
+
+    def _sqlite_blobs(self) -> bool:
+        """Whether this SQLite store's values can be read as blobs holding their UTF-8:
+        the driver has ``blobopen`` (Python 3.11+) and the file's encoding is UTF-8."""
+        found = self.__dict__.get("_blobs")
+        if found is None:
+            found = False
+            if hasattr(sqlite3.Connection, "blobopen"):
+                with self._read() as conn:
+                    encoding = conn.exec_driver_sql(_sql.SQLITE_ENCODING).scalar()
+                found = str(encoding).upper() == "UTF-8"
+            self.__dict__["_blobs"] = found
+        return bool(found)
 
     @wrap_errors
     def lookup(self, job_id: str, now: dt.datetime | None = None) -> Lookup:

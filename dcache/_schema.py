@@ -14,10 +14,12 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Table,
     Text,
+    literal_column,
 )
 from sqlalchemy.dialects import mysql
 from sqlalchemy.engine import Dialect
@@ -33,6 +35,7 @@ __all__ = [
     "LIVE",
     "NOPAD_COLLATIONS",
     "SCHEMA_VERSION",
+    "TARGET_ROWID",
     "TARGET_STATUSES",
     "TERMINAL",
     "Status",
@@ -46,6 +49,7 @@ __all__ = [
     "result_bytes",
     "targets",
     "tombstones",
+    "utf8",
 ]
 
 # 2: batch_owner.beats (added in place to version-1 tables; see DB._migrate).
@@ -218,6 +222,10 @@ targets = Table(
     **_MYSQL,
 )
 
+# SQLite's implicit key of a target row (the tables are rowid tables): what its
+# incremental blob I/O opens a value by (see DB.read_result).
+TARGET_ROWID = literal_column(f"{targets.name}.rowid", Integer)
+
 # One row per live Runner (its owner id), refreshed by its heartbeat thread.
 owners = Table(
     "batch_owner",
@@ -287,6 +295,30 @@ def _result_bytes(element: result_bytes, compiler: Any, **kw: Any) -> str:
 def _result_bytes_sqlite(element: result_bytes, compiler: Any, **kw: Any) -> str:
     # SQLite's length() counts characters of text and bytes of a blob.
     return f"length(CAST({compiler.process(element.clauses, **kw)} AS BLOB))"
+
+
+class utf8(FunctionElement[bytes]):
+    """A text column's UTF-8 encoding, as bytes (``substr`` on it counts bytes)."""
+
+    type = LargeBinary()
+    inherit_cache = True
+
+
+@compiles(utf8)
+def _utf8(element: utf8, compiler: Any, **kw: Any) -> str:
+    # MySQL and MariaDB: the binary string of a utf8mb4 column is its UTF-8 bytes.
+    return f"CAST({compiler.process(element.clauses, **kw)} AS BINARY)"
+
+
+@compiles(utf8, "postgresql")
+def _utf8_postgresql(element: utf8, compiler: Any, **kw: Any) -> str:
+    return f"convert_to({compiler.process(element.clauses, **kw)}, 'UTF8')"
+
+
+@compiles(utf8, "sqlite")
+def _utf8_sqlite(element: utf8, compiler: Any, **kw: Any) -> str:
+    # The store's files are UTF-8 (SQLite's default encoding; see DB.read_result).
+    return f"CAST({compiler.process(element.clauses, **kw)} AS BLOB)"
 
 
 _PADDING_BIN = re.compile(r"COLLATE\s*=?\s*utf8mb4_bin\b")

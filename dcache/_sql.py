@@ -20,8 +20,10 @@ __all__ = [
     "SQLITE_BEGIN",
     "SQLITE_BEGIN_WRITE",
     "SQLITE_COMMIT",
+    "SQLITE_ENCODING",
     "SQLITE_JOURNAL_MODE",
     "SQLITE_ROLLBACK",
+    "SQLITE_SHRINK_MEMORY",
     "SQLITE_WAL",
     "SYNCHRONOUS",
     "add_column",
@@ -34,6 +36,11 @@ SQLITE_COMMIT = "COMMIT"
 SQLITE_ROLLBACK = "ROLLBACK"
 SQLITE_JOURNAL_MODE = "PRAGMA journal_mode"
 SQLITE_WAL = "PRAGMA journal_mode = WAL"
+# The file's text encoding: UTF-8 lets a stored text be read in place as its UTF-8 bytes.
+SQLITE_ENCODING = "PRAGMA encoding"
+# Give back the connection's unused page cache: after a slice of a large value is read,
+# so its pages do not stay cached (up to 2 MiB a connection) for a value read once.
+SQLITE_SHRINK_MEMORY = "PRAGMA shrink_memory"
 
 MYSQL_MAX_PACKET = "SELECT @@max_allowed_packet"
 # Which of the wanted collations this server has (an expanding ``names`` parameter).

@@ -252,6 +252,9 @@ STORE: dict[str, StoreScenario] = {
     "DB.get_result_slice": StoreScenario(
         lambda db, c: db.get_result_slice(J_PARTIAL, 0, 1000, 5000)  # inside the 200 kB result
     ),
+    "DB.read_result": StoreScenario(
+        lambda db, c: db.read_result(J_PARTIAL, 0, 1000, 5000)  # in place on SQLite (a blob)
+    ),
     "DB.lookup": StoreScenario(lambda db, c: db.lookup(J_PARTIAL, now=c.now)),
     # The outbox: claims of lapsed claims, an attempt of a claimed row, a re-send.
     "DB.claim_notifications": StoreScenario(
