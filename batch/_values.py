@@ -91,7 +91,7 @@ class Options:
     def from_json(cls, obj: object) -> Options:
         """Parse a JSON object; raise :class:`InvalidTargetsError` naming the bad field."""
         if obj is None:
-            return cls()
+            return _DEFAULT_OPTIONS if cls is Options else cls()
         if not isinstance(obj, Mapping):
             raise InvalidTargetsError(
                 f"options must be an object, not {type(obj).__name__}", field="options"
@@ -127,12 +127,15 @@ class Options:
                 )
 
 
+_DEFAULT_OPTIONS = Options()  # shared: Options are frozen
+
+
 @attrs.frozen
 class Target:
     """One unit of work: a URL and its options."""
 
     url: str
-    options: Options = Options()
+    options: Options = _DEFAULT_OPTIONS
 
     def to_json(self) -> dict[str, Any]:
         """``{"url": ..., "options": {...}}``; ``options`` left out when all default."""
@@ -157,23 +160,36 @@ class Target:
         if "url" not in obj:
             raise InvalidTargetsError("target has no url", field="url")
         target = cls(url=obj["url"], options=Options.from_json(obj.get("options")))
-        target.check()
+        target._check_url()  # the options were checked as they were parsed
         return target
 
     def check(self) -> None:
         """Raise :class:`InvalidTargetsError` if the URL or an option is malformed."""
-        try:
-            check_text(self.url, "url", limit=MAX_URL_LENGTH)
-        except ValueError as exc:
-            raise InvalidTargetsError(str(exc), field="url") from None
-        if self.url.strip() != self.url:
-            raise InvalidTargetsError("url has leading or trailing white space", field="url")
+        self._check_url()
         if not isinstance(self.options, Options):
             raise InvalidTargetsError(
                 f"options must be batch.Options, not {type(self.options).__name__}",
                 field="options",
             )
         self.options.check()
+
+    def _check_url(self) -> None:
+        try:
+            check_text(self.url, "url", limit=MAX_URL_LENGTH)
+        except ValueError as exc:
+            raise InvalidTargetsError(str(exc), field="url") from None
+        if self.url.strip() != self.url:
+            raise InvalidTargetsError("url has leading or trailing white space", field="url")
+
+
+_OPTION_NAMES = (*_STR_OPTIONS, *_BOOL_OPTIONS)
+
+
+def _same_as(target: Target) -> tuple[Any, ...]:
+    """What makes two checked targets the same: their canonical forms are equal exactly
+    when these are (the default values they leave out are the only false ones)."""
+    opts = target.options
+    return (target.url, *[getattr(opts, name) for name in _OPTION_NAMES])
 
 
 def normalize_targets(items: object) -> list[Target]:
@@ -185,7 +201,7 @@ def normalize_targets(items: object) -> list[Target]:
     if isinstance(items, (str, bytes, Mapping)) or not isinstance(items, Iterable):
         raise InvalidTargetsError(f"targets must be a list of targets, not {type(items).__name__}")
     out: list[Target] = []
-    seen: dict[str, int] = {}
+    seen: dict[tuple[Any, ...], int] = {}
     for i, item in enumerate(items):
         try:
             if isinstance(item, Target):
@@ -195,7 +211,7 @@ def normalize_targets(items: object) -> list[Target]:
                 target = Target.from_json(item)
         except InvalidTargetsError as exc:
             raise InvalidTargetsError(f"targets[{i}]: {exc}", index=i, field=exc.field) from None
-        key = _dumps(target.to_json())
+        key = _same_as(target)
         if key in seen:
             raise InvalidTargetsError(
                 f"targets[{i}] duplicates targets[{seen[key]}] ({target.url!r})", index=i
@@ -213,6 +229,8 @@ def _dumps(obj: object) -> str:
 
 def encode_options(options: Options) -> str:
     """The options as the store keeps them: their part of the canonical form."""
+    if options is _DEFAULT_OPTIONS:
+        return "{}"  # most targets: nothing to encode
     return _dumps(options.to_json())
 
 
@@ -312,7 +330,7 @@ class TargetStatus:
     result: Result | None
     error: str
     hint: str
-    options: Options = Options()
+    options: Options = _DEFAULT_OPTIONS
     # The stored result's size in UTF-8 bytes, when it was read without the result
     # (``Runner.status(job_id, results=False)``); None otherwise.
     result_bytes: int | None = None

@@ -62,6 +62,10 @@ class Prepared:
             else:
                 value = bind.effective_value
                 self._fixed[name] = process(value) if process is not None else value
+        # Positional: a template of the fixed values, and the slots each given value fills.
+        self._template = [self._fixed.get(name) for name in self._order]
+        self._slots = [(i, name) for i, name in enumerate(self._order) if name in self._given]
+        self._processes = list(self._given.items())
         processors = [t.dialect_impl(dialect).result_processor(dialect, None) for t in result_types]
         self._results: list[tuple[int, Callable[[Any], Any]]] = [
             (i, p) for i, p in enumerate(processors) if p is not None
@@ -69,13 +73,18 @@ class Prepared:
 
     def params(self, values: Mapping[str, Any]) -> tuple[Any, ...] | dict[str, Any]:
         """The driver's parameters for ``values`` (one per ``bindparam`` name)."""
-        out = dict(self._fixed)
-        for name, process in self._given.items():
+        given = {}
+        for name, process in self._processes:
             value = values[name]
-            out[name] = process(value) if process is not None else value
+            given[name] = process(value) if process is not None else value
         if self._positional:
-            return tuple(out[name] for name in self._order)
-        return out
+            out = self._template.copy()
+            for i, name in self._slots:
+                out[i] = given[name]
+            return tuple(out)
+        if self._fixed:
+            given.update(self._fixed)
+        return given
 
     def execute(self, conn: Connection, **values: Any) -> CursorResult[Any]:
         """Run the statement on ``conn`` with ``values``."""

@@ -620,3 +620,29 @@ def test_normalize_targets_parses_or_raises_invalid_targets_error_only(obj: obje
         return
     assert got and all(isinstance(t, Target) for t in got)
     assert len({batch.canonical([t]) for t in got}) == len(got)  # no duplicates got through
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    a=st.builds(Target, urls, options),
+    b=st.builds(Target, urls, options),
+    same_url=st.booleans(),
+    spelled=st.booleans(),
+)
+def test_a_duplicate_is_exactly_a_target_of_the_same_canonical_form(
+    a: Target, b: Target, same_url: bool, spelled: bool
+) -> None:
+    """normalize_targets refuses a later target exactly when its canonical form equals an
+    earlier one's, however either is given (objects, JSON with defaults spelled out)."""
+    if same_url:
+        b = Target(a.url, b.options)
+    second: object = b
+    if spelled:  # every option written out, the defaults too
+        second = {"url": b.url, "options": attrs.asdict(b.options)}
+    same = batch.canonical([a]) == batch.canonical([b])
+    try:
+        got = batch.normalize_targets([a, second])
+    except InvalidTargetsError as exc:
+        assert same and exc.index == 1, exc
+        return
+    assert not same and got == [a, b]
