@@ -853,7 +853,7 @@ class Runner:
         too_deep = _json_depth(res.meta, MAX_META_DEPTH) > MAX_META_DEPTH
         try:
             payload = json.dumps(res.to_json(), ensure_ascii=False, allow_nan=False)
-            size = len(payload.encode("utf-8"))
+            size = len(payload) if payload.isascii() else len(payload.encode("utf-8"))
         except RecursionError:
             too_deep = True
         except (TypeError, ValueError) as exc:
@@ -885,7 +885,7 @@ class Runner:
         ttl = self._config.ttl
         outage_since: float | None = None  # monotonic start of the current outage
         delay = 0.05
-        pause = threading.Event()  # never set: an Event-based sleep
+        pause: threading.Event | None = None  # never set: an Event-based sleep
         try:
             while True:
                 try:
@@ -916,6 +916,7 @@ class Runner:
                     if left <= 0:
                         raise
                     # Exponential backoff with full jitter, capped at 2 s.
+                    pause = pause or threading.Event()
                     pause.wait(min(left, random.uniform(0, delay)))
                     delay = min(delay * 2, 2.0)
         except StoreUnavailableError:
