@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import sys
 import threading
 from typing import Any
@@ -63,6 +64,11 @@ def meta_for(url: str) -> dict[str, Any]:
 def error_for(url: str) -> tuple[str, str]:
     """The exact (error, hint) stored for a target whose fetch fails."""
     return f"refused {url}", f"hint for {url}"
+
+
+# PostgreSQL writes a target and its job in one statement, the target's compare-and-set
+# in a data-modifying CTE: that statement is the write there.
+_WRITES_BOTH = re.compile(r"WITH changed AS\s*\(UPDATE batch_target ")
 
 
 class Moments:
@@ -101,7 +107,7 @@ def main(argv: list[str]) -> int:
     def _statement(_conn: Any, _cur: Any, statement: str, *_rest: Any) -> None:
         if statement.startswith("INSERT INTO batch_job "):
             moments.reached("submit")
-        elif statement.startswith("UPDATE batch_target "):
+        elif statement.startswith("UPDATE batch_target ") or _WRITES_BOTH.match(statement):
             moments.reached("write")
 
     @event.listens_for(db.engine, "commit")
