@@ -86,6 +86,13 @@ def target_values(**given: Any) -> dict[str, Any]:
     return _fill_row(targets, row)
 
 
+def _size(result: str | None) -> int | None:
+    """The result's UTF-8 size, stored with it (as dcache's writer computes it)."""
+    if result is None:
+        return None
+    return len(result) if result.isascii() else len(result.encode("utf-8"))
+
+
 def update_returning(kind: str) -> bool:
     """Whether the backend has ``UPDATE ... RETURNING`` (MariaDB has not)."""
     if kind == "sqlite":
@@ -98,7 +105,8 @@ def update_returning(kind: str) -> bool:
 # read back with RETURNING where the backend has it (else a SELECT). The SET order
 # matters on MySQL (assignments see earlier new values); it is the store's order.
 SQL_WRITE_TARGET = (
-    "UPDATE batch_target SET status = ?, result = ?, error = ?, hint = ?, updated_at = ? "
+    "UPDATE batch_target SET status = ?, result = ?, result_bytes = ?, error = ?, hint = ?, "
+    "updated_at = ? "
     "WHERE job_id = ? AND idx = ? AND status = 'pending'"
 )
 SQL_WRITE_JOB = (
@@ -268,7 +276,7 @@ class RawStore:
         now = utcnow()
         ts = self.ts(now)
         failed = 1 if status == "failed" else 0
-        target_values = (status, result, "", "", ts, job_id, idx)
+        target_values = (status, result, _size(result), "", "", ts, job_id, idx)
         job_values = (ts, failed, failed, failed, ts, self.ts(now + TTL), job_id)
         cur = self.cur
         self._begin()
@@ -421,7 +429,14 @@ class CoreStore:
                     targets.c.idx == idx,
                     targets.c.status == "pending",
                 )
-                .values(status=status, result=result, error="", hint="", updated_at=now)
+                .values(
+                    status=status,
+                    result=result,
+                    result_bytes=_size(result),
+                    error="",
+                    hint="",
+                    updated_at=now,
+                )
             ).rowcount
             if won != 1:
                 st = conn.execute(select(jobs.c.status).where(jobs.c.id == job_id)).scalar()

@@ -2,12 +2,14 @@
 
 One measurement per backend (SQLite file, PostgreSQL) starts the app of
 :mod:`bench._http_app` under ``gunicorn -w 2`` on 127.0.0.1 and drives it with ``wrk``
-(8 connections; a Python load generator when wrk is missing), the three throughput rows
+(8 connections; a Python load generator when wrk is missing), the four throughput rows
 interleaved in the same run so their ratios compare like with like:
 
 - ``http/floor``: ``GET /floor/<id>`` of an 8 x 1 KiB job (one SQL statement, ``jsonify``);
 - ``http/get``: ``GET /jobs/<id>`` of the same job (the library's pass-through answer);
-- ``http/304``: the same with ``If-None-Match`` carrying the current ETag.
+- ``http/304``: the same with ``If-None-Match`` carrying the current ETag;
+- ``http/brief``: ``GET /jobs/<id>?results=false`` of the 32 x 1 MiB job below (sizes, no
+  results), beside ``http/get``.
 
 Then, on a fresh single-worker server each (a worker's heap only grows, so each memory row
 gets a worker that has served nothing large): ``http-rss/get``, the peak RSS growth of the
@@ -268,6 +270,9 @@ def http(spec: Spec, variant: str) -> list[Row]:
             ("http/floor", f"/floor/{small_id}", None),
             ("http/get", f"/jobs/{small_id}", None),
             ("http/304", f"/jobs/{small_id}", {"If-None-Match": etag}),
+            # A poll that leaves the results out: the 32 x 1 MiB job's sizes are stored
+            # with its results, so it costs about what the small job's full GET costs.
+            ("http/brief", f"/jobs/{big_id}?results=false", None),
         ]
         for _name, path, extra in cases:  # warm every worker and connection
             load(port, path, 1.0, extra, loader=loader)

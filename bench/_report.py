@@ -38,6 +38,7 @@ VARIANTS = [
     "floor",
     "get",
     "304",
+    "brief",
     "one-result",
     "content",
 ]
@@ -84,7 +85,11 @@ def floor_of(row: str, backend: str, small_label: str) -> tuple[str, str] | None
     if group == "fetch":
         return None if variant == "http.client" else ("fetch/http.client", backend)
     if group == "http":
-        return {"get": ("http/floor", backend), "304": ("http/get", backend)}.get(variant)
+        return {
+            "get": ("http/floor", backend),
+            "304": ("http/get", backend),
+            "brief": ("http/get", backend),
+        }.get(variant)
     if group == "http-rss":
         if variant == "get":
             return "http-rss/payload", backend
@@ -144,6 +149,7 @@ def describe(row: str) -> str:
             "floor": "GET of an 8 x 1 KiB job, gunicorn -w 2: plain Flask view, 1 SQL, jsonify",
             "get": "GET /jobs/<id> of the same job (pass-through), req/s",
             "304": "GET /jobs/<id> with If-None-Match (304), req/s",
+            "brief": "GET /jobs/<id>?results=false of a 32 x 1 MiB job (sizes only), req/s",
         }.get(variant, row)
     if group == "http-rss":
         return {

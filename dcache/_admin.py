@@ -12,16 +12,12 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import attrs
-from sqlalchemy import Connection, LargeBinary, cast, func, select
-from sqlalchemy.ext.compiler import compiles
-from sqlalchemy.sql.compiler import SQLCompiler
-from sqlalchemy.sql.functions import FunctionElement
-from sqlalchemy.types import BigInteger
+from sqlalchemy import Connection, func, select
 
 from ._errors import wrap_errors
 from ._rows import JobRow
 from ._schema import LIVE, jobs, targets
-from ._shared import JOB_NAMES, aware_now, findable, job_from, visible
+from ._shared import JOB_NAMES, aware_now, findable, job_from, result_size, visible
 
 __all__ = ["AdminQueries", "TargetSummary"]
 
@@ -41,26 +37,6 @@ class TargetSummary:
     hint: str
     result_bytes: int | None
     updated_at: dt.datetime | None
-
-
-class _OctetLength(FunctionElement[int]):
-    """The UTF-8 size in bytes of a text value, on every backend."""
-
-    type = BigInteger()
-    inherit_cache = True
-    name = "octet_length"
-
-
-@compiles(_OctetLength)
-def _octet_length(element: _OctetLength, compiler: SQLCompiler, **kw: Any) -> str:
-    return f"octet_length({compiler.process(element.clauses, **kw)})"
-
-
-@compiles(_OctetLength, "sqlite")
-def _octet_length_sqlite(element: _OctetLength, compiler: SQLCompiler, **kw: Any) -> str:
-    # SQLite's length() counts characters on text; on a blob it counts bytes.
-    arg = next(iter(element.clauses))
-    return f"length({compiler.process(cast(arg, LargeBinary), **kw)})"
 
 
 def _job(row: Any) -> JobRow:  # a Row of the job columns (and maybe more)
@@ -154,7 +130,7 @@ class AdminQueries:
                 targets.c.status.label("t_status"),
                 targets.c.error.label("t_error"),
                 targets.c.hint.label("t_hint"),
-                _OctetLength(targets.c.result).label("t_bytes"),
+                result_size().label("t_bytes"),
                 targets.c.updated_at.label("t_updated_at"),
             )
             .select_from(jobs.outerjoin(targets, targets.c.job_id == jobs.c.id))

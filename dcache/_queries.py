@@ -7,8 +7,7 @@ import sqlite3
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-import attrs
-from sqlalchemy import Connection, Engine, func, null, select
+from sqlalchemy import Connection, Engine, func, select
 
 from . import _sql
 from ._errors import wrap_errors
@@ -92,8 +91,6 @@ class JobReads:
         if not findable(job_id) or isinstance(idx, bool) or not isinstance(idx, int):
             return None
         now = aware_now(now)
-        if not results and self.dialect == "sqlite" and self._sqlite_blobs():
-            return self._get_target_sized(job_id, idx, now)
         q = (
             select(*JOB_COLS, *(TARGET_COLS if results else TARGET_COLS_BRIEF))
             .select_from(jobs.join(targets, targets.c.job_id == jobs.c.id))
@@ -164,32 +161,6 @@ class JobReads:
         if row is None:
             return None
         return bytes(row[0] or b"")  # SQLite's substr of an empty blob is NULL
-
-    def _get_target_sized(
-        self, job_id: str, idx: int, now: dt.datetime
-    ) -> tuple[JobRow, TargetRow] | None:
-        """``get_target(results=False)`` on SQLite, the result's size from its blob handle:
-        SQLite's ``length(CAST(result AS BLOB))`` loads the whole value to measure it
-        (``octet_length``, which would not, is SQLite 3.43+), the handle reads its header."""
-        brief = [null().label("result") if c is targets.c.result else c for c in TARGET_COLS]
-        q = (
-            select(*JOB_COLS, *brief, TARGET_ROWID)
-            .add_columns(func.typeof(targets.c.result))  # from the record's header too
-            .select_from(jobs.join(targets, targets.c.job_id == jobs.c.id))
-            .where(jobs.c.id == job_id, targets.c.idx == idx, visible(now))
-        )
-        with self._read() as conn:  # the row and its blob handle: one snapshot
-            row = conn.execute(q).first()
-            if row is None:
-                return None
-            *values, rowid, kind = tuple(row)
-            size = None
-            if kind != "null":
-                dbapi: Any = conn.connection.driver_connection
-                with dbapi.blobopen(targets.name, targets.c.result.name, rowid) as blob:
-                    size = len(blob)
-        t0 = len(JOB_COLS)
-        return job_from(values[:t0]), attrs.evolve(TargetRow(*values[t0:]), result_bytes=size)
 
     def _sqlite_blobs(self) -> bool:
         """Whether this SQLite store's values can be read as blobs holding their UTF-8:

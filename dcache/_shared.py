@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
-from sqlalchemy import Row, bindparam, literal_column, null, or_, select
+from sqlalchemy import Row, bindparam, func, literal_column, null, or_, select
 
 from ._rows import JobRow
 from ._schema import LIVE, Status, UTCDateTime, jobs, result_bytes, targets
@@ -108,10 +108,17 @@ Q_STATUS = (
 )
 
 
+def result_size() -> Any:
+    """A target's result size in UTF-8 bytes: stored with the result since version 3, and
+    measured (the value read) only for a result stored before (COALESCE stops at the
+    first value that is not NULL on every backend)."""
+    return func.coalesce(targets.c.result_bytes, result_bytes(targets.c.result))
+
+
 # A target without its result, but with its size (TargetRow.result_bytes).
 TARGET_COLS_BRIEF = [
     *(null().label("result") if c is targets.c.result else c for c in TARGET_COLS),
-    result_bytes(targets.c.result).label("result_bytes"),
+    result_size().label("result_bytes"),
 ]
 
 

@@ -61,6 +61,7 @@ def _statements() -> tuple[Any, Any, Any]:
         .values(
             status=bindparam("status"),
             result=bindparam("result"),
+            result_bytes=bindparam("result_bytes"),
             error=bindparam("error"),
             hint=bindparam("hint"),
             updated_at=now,
@@ -113,6 +114,13 @@ def _statements() -> tuple[Any, Any, Any]:
     )
     read = select(jobs.c.status, jobs.c.finished_at).where(jobs.c.id == bindparam("job_id"))
     return target, job, read
+
+
+def _utf8_size(text: str | None) -> int | None:
+    """A text's size in UTF-8 bytes (its length when it is ASCII, without encoding it)."""
+    if text is None:
+        return None
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
 
 
 class _Outcome:
@@ -176,6 +184,7 @@ class GroupWriter:
                 "idx": idx,
                 "status": status,
                 "result": result,
+                "result_bytes": _utf8_size(result),
                 "error": error,
                 "hint": hint,
                 "now": now,

@@ -217,12 +217,13 @@ def test_http_rows_run_under_gunicorn(loader: str, tmp_path: Path) -> None:
         "http/floor",
         "http/get",
         "http/304",
+        "http/brief",
         "http-rss/payload",
         "http-rss/one-result",
         "http-rss/get",
         "http-rss/content",
     }
-    for name in ("http/floor", "http/get", "http/304"):
+    for name in ("http/floor", "http/get", "http/304", "http/brief"):
         assert got[name]["unit"] == "req/s" and got[name]["value"] > 0
     assert got["http-rss/payload"]["value"] == TINY.mem_targets * TINY.mem_result_bytes / 2**20
     assert got["http-rss/get"]["value"] >= 0 and got["http-rss/content"]["value"] >= 0

@@ -24,7 +24,7 @@ from sqlalchemy import inspect as sa_inspect
 
 import dcache
 from dcache import DB, JobRow, NewTarget, SubmitOutcome
-from dcache._schema import owners
+from dcache._schema import owners, targets
 
 UTC = dt.timezone.utc
 T0 = dt.datetime(2030, 1, 1, tzinfo=UTC)
@@ -487,6 +487,11 @@ def test_a_result_is_read_whole_brief_or_a_slice_at_a_time(db: DB) -> None:
     assert whole is not None and brief is not None
     assert (whole[1].result, whole[1].result_bytes) == (text, None)
     assert (brief[1].result, brief[1].result_bytes) == (None, len(text.encode()))
+    with db.engine.connect() as conn:  # stored with the result, not measured when read
+        size = conn.execute(
+            select(targets.c.result_bytes).where(targets.c.job_id == job.id, targets.c.idx == 0)
+        ).scalar()
+    assert size == len(text.encode())
     assert attrs.evolve(brief[1], result=text, result_bytes=None) == whole[1]
     for start in range(len(text) + 2):
         for length in (0, 1, 2, 5, 100):
@@ -1265,12 +1270,17 @@ def test_a_table_made_by_an_older_build_is_refused_with_a_clear_error(tmp_path: 
 def test_a_version_1_database_is_migrated_in_place_and_keeps_its_jobs(
     db: DB, backend: str, tmp_path: Path
 ) -> None:
-    """Version 2 added batch_owner.beats: opening an older database adds it, data intact."""
+    """Version 2 added batch_owner.beats and version 3 batch_target.result_bytes: opening
+    an older database adds both, data intact; the results it already holds are measured
+    when a read leaves them out, the ones written after have their size stored."""
     from dcache._schema import meta
 
-    job_id = created(db).id
+    job_id = created(db, n=2).id
+    text_0 = '{"content": "é😀 old", "meta": {}}'
+    assert db.write_target(job_id, 0, status="done", result=text_0, ttl=TTL, now=T0).stored
     db.heartbeat("old-runner", now=T0)
     with db.engine.begin() as conn:
+        conn.execute(text("ALTER TABLE batch_target DROP COLUMN result_bytes"))
         conn.execute(text("ALTER TABLE batch_owner DROP COLUMN beats"))
         drop = "DROP INDEX ix_batch_job_created"
         conn.execute(text(drop + (" ON batch_job" if db.dialect in ("mysql", "mariadb") else "")))
@@ -1283,8 +1293,22 @@ def test_a_version_1_database_is_migrated_in_place_and_keeps_its_jobs(
         # without it psycopg prepares statements that collide behind the bouncer.
         again = DB.open(backend_url(backend, tmp_path))
     try:
-        assert again.schema_version() == dcache.SCHEMA_VERSION == 2
+        assert again.schema_version() == dcache.SCHEMA_VERSION == 3
         assert again.get_job(job_id, now=T0) is not None
+        text_1 = '{"content": "ü new", "meta": {}}'
+        assert again.write_target(job_id, 1, status="done", result=text_1, ttl=TTL, now=T0).stored
+        with again.engine.connect() as conn:
+            stored = dict(
+                conn.execute(
+                    select(targets.c.idx, targets.c.result_bytes).where(targets.c.job_id == job_id)
+                ).all()
+            )
+        assert stored == {0: None, 1: len(text_1.encode())}  # measured when read, or stored
+        brief = again.get_job_with_targets(job_id, now=T0, results=False)
+        assert brief is not None
+        assert [t.result_bytes for t in brief[1]] == [len(text_0.encode()), len(text_1.encode())]
+        found = again.get_target(job_id, 0, now=T0, results=False)
+        assert found is not None and found[1].result_bytes == len(text_0.encode())
         with again.engine.connect() as conn:
             names = {i["name"] for i in sa_inspect(conn).get_indexes("batch_job")}
         assert "ix_batch_job_created" in names
