@@ -212,6 +212,7 @@ def test_the_postgresql_write_locks_the_target_before_the_job(db: DB) -> None:
             idx=0,
             status="done",
             result=None,
+            result_bytes=None,
             error="",
             hint="",
             now=T0,
