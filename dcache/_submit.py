@@ -6,20 +6,26 @@ idempotency lookup, both caps, and the insert of the job and its targets.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from sqlalchemy import Connection, bindparam, func, insert, select
+from sqlalchemy import Connection, Engine, bindparam, func, insert, select
 from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import Dialect
 
 from ._errors import StoreError, wrap_errors
+from ._prepared import Prepared
+from ._reads import _watched
 from ._rows import JobRow, NewTarget, SubmitOutcome
 from ._schema import GLOBAL_LOCK, Status, UTCDateTime, jobs, locks, targets
-from ._shared import JOB_COLS, LIVE_IN, aware_now, findable, job_row, visible
+from ._shared import JOB_COLS, LIVE_IN, aware_now, findable, job_from, job_row, visible
+from ._writer import _as_sqlalchemy
 
 _US = dt.timedelta(microseconds=1)
+R = TypeVar("R")
 
 
 class _LockRowRace(Exception):
@@ -49,6 +55,69 @@ _Q_LIVE_ALL = select(func.count()).select_from(jobs).where(LIVE_IN)
 _Q_LIVE_CALLER = _Q_LIVE_ALL.where(jobs.c.caller == bindparam("c"))
 
 
+_JOB_INSERT = insert(jobs).values({c.name: bindparam(c.name, type_=c.type) for c in jobs.c})
+
+
+_TARGET_INSERT = insert(targets).values(
+    {c.name: bindparam(c.name, type_=c.type) for c in targets.c}
+)
+
+
+class _Statements:
+    """The submit transaction's statements compiled for one dialect (see ``_prepared``)."""
+
+    def __init__(self, dialect: Dialect) -> None:
+        self.lock = Prepared(_Q_LOCK, dialect)
+        self.lock_insert = Prepared(insert(locks).values(name=bindparam("n")), dialect)
+        self.idem = Prepared(_Q_IDEM, dialect, [c.type for c in JOB_COLS])
+        self.live_caller = Prepared(_Q_LIVE_CALLER, dialect)
+        self.live_all = Prepared(_Q_LIVE_ALL, dialect)
+        self.job_insert = Prepared(_JOB_INSERT, dialect)
+        self.target_insert = Prepared(_TARGET_INSERT, dialect)
+
+
+class _Run:
+    """Runs prepared statements in a transaction: on the connection's DBAPI cursor when
+    nobody watches statements, else through SQLAlchemy's execution (every engine event
+    sees them). Driver errors come out as SQLAlchemy raises them (see ``_writer``)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.raw = not _watched(conn.engine)
+
+    def rows(self, statement: Prepared, values: dict[str, Any]) -> list[Any]:
+        """The statement's rows (as the driver returned them)."""
+        params = statement.params(values)
+        if not self.raw:
+            result = self.conn.exec_driver_sql(statement.sql, params)
+            return list(result.all()) if result.returns_rows else []
+
+        def work(cursor: Any) -> list[Any]:
+            cursor.execute(statement.sql, params)
+            return list(cursor.fetchall()) if cursor.description is not None else []
+
+        return self._on_cursor(statement, work)
+
+    def many(self, statement: Prepared, rows: list[dict[str, Any]]) -> None:
+        """The statement once per row (the driver's executemany)."""
+        params = [statement.params(v) for v in rows]
+        if not self.raw:
+            self.conn.exec_driver_sql(statement.sql, params)
+            return
+        self._on_cursor(statement, lambda cursor: cursor.executemany(statement.sql, params))
+
+    def _on_cursor(self, statement: Prepared, work: Callable[[Any], R]) -> R:
+        dbapi: Any = self.conn.connection.driver_connection
+        cursor = dbapi.cursor()
+        try:
+            return work(cursor)
+        except Exception as exc:
+            raise _as_sqlalchemy(self.conn, exc, statement.sql, cursor) from exc
+        finally:
+            with contextlib.suppress(Exception):
+                cursor.close()
+
+
 class SubmitQueries:
     """The submit and lookup methods of :class:`DB`."""
 
@@ -57,6 +126,8 @@ class SubmitQueries:
         def _read(self) -> AbstractContextManager[Connection]: ...
 
         def _write(self) -> AbstractContextManager[Connection]: ...
+
+        _engine: Engine
 
     @wrap_errors
     def submit(
@@ -129,21 +200,23 @@ class SubmitQueries:
         payload_key: str | None,
         notify_url: str | None,
     ) -> SubmitOutcome:
-        if conn.execute(_Q_LOCK, {"n": caller_lock}).first() is None:
+        q = self._submit_statements()
+        run = _Run(conn)
+        if not run.rows(q.lock, {"n": caller_lock}):
             # First submit of this caller: create its lock row. Inserting locks it for the
             # rest of this transaction; a racing creator makes one of us retry.
             try:
-                conn.execute(insert(locks).values(name=caller_lock))
+                run.rows(q.lock_insert, {"n": caller_lock})
             except sa_exc.IntegrityError as exc:
                 raise _LockRowRace from exc
-        reused = self._by_idem(conn, caller, idem_key, now)
-        if reused is not None:
-            return SubmitOutcome("reused", reused)
-        live_caller = self._count_live(conn, caller)
+        found = run.rows(q.idem, {"c": caller, "k": idem_key, "now": now})
+        if found:
+            return SubmitOutcome("reused", job_from(q.idem.convert(found[0])))
+        live_caller = int(run.rows(q.live_caller, {"c": caller})[0][0])
         if live_caller >= jobs_per_caller:
             return SubmitOutcome("caller_busy", live=live_caller)
-        conn.execute(_Q_LOCK, {"n": GLOBAL_LOCK})
-        live_total = self._count_live(conn, None)
+        run.rows(q.lock, {"n": GLOBAL_LOCK})
+        live_total = int(run.rows(q.live_all, {})[0][0])
         if live_total >= jobs_total:
             return SubmitOutcome("busy", live=live_total)
         job: dict[str, Any] = {
@@ -165,9 +238,9 @@ class SubmitQueries:
             "payload_key": payload_key,
             "notify_url": notify_url,
         }
-        conn.execute(insert(jobs), [job])
-        conn.execute(
-            insert(targets),
+        run.rows(q.job_insert, job)
+        run.many(
+            q.target_insert,
             [
                 {
                     "job_id": job_id,
@@ -175,10 +248,11 @@ class SubmitQueries:
                     "url": t.url,
                     "options": t.options,
                     "status": Status.PENDING.value,
-                    "result": None,
                     "error": "",
                     "hint": "",
                     "updated_at": None,
+                    "result_bytes": None,
+                    "result": None,
                 }
                 for i, t in enumerate(new_targets)
             ],
@@ -186,6 +260,12 @@ class SubmitQueries:
         job["ttl"] = ttl
         del job["ttl_us"]
         return SubmitOutcome("created", JobRow(**job))
+
+    def _submit_statements(self) -> _Statements:
+        found: _Statements | None = self.__dict__.get("_submit_q")
+        if found is None:
+            found = self.__dict__["_submit_q"] = _Statements(self._engine.dialect)
+        return found
 
     @staticmethod
     def _by_idem(conn: Connection, caller: str, idem_key: str, now: dt.datetime) -> JobRow | None:
