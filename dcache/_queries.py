@@ -12,6 +12,7 @@ from sqlalchemy import Connection, Engine, func, select
 from . import _sql
 from ._errors import wrap_errors
 from ._prepared import Prepared
+from ._reads import driver_read, watched
 from ._rows import JobRow, Lookup, TargetRow
 from ._schema import LIVE, TARGET_ROWID, jobs, targets, tombstones, utf8
 from ._shared import (
@@ -24,6 +25,10 @@ from ._shared import (
     job_row,
     visible,
 )
+
+
+def _all(cursor: Any) -> list[Any]:
+    return list(cursor.fetchall())
 
 
 class JobReads:
@@ -68,9 +73,13 @@ class JobReads:
         read = self._status_read if results else self._status_brief
         # Status polling is the hot read: one prepared statement, the job's columns
         # converted once (from the first row), the targets' from every row.
-        with self._one_statement() as conn:
-            raw = conn.exec_driver_sql(read.sql, read.params({"job_id": job_id, "now": now}))
-            rows = raw.fetchall()
+        values = {"job_id": job_id, "now": now}
+        if watched(self._engine):
+            with self._one_statement() as conn:
+                rows = conn.exec_driver_sql(read.sql, read.params(values)).fetchall()
+        else:
+            autocommit = self.dialect == "postgresql"
+            rows = driver_read(self._engine, read, values, autocommit=autocommit, fetch=_all)
         if not rows:
             return None
         t0 = len(JOB_COLS)

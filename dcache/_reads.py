@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 from sqlalchemy import Connection, CursorResult, bindparam, select
@@ -36,19 +36,38 @@ if TYPE_CHECKING:
 
 __all__ = ["JobStream", "WebReads"]
 
+R = TypeVar("R")
 
-def _watched(engine: Engine) -> bool:
+
+def watched(engine: Engine) -> bool:
     """Whether anyone watches statements (``echo``, cursor events: tracing, tests)."""
     dispatch = engine.dispatch
     return bool(engine.echo or dispatch.before_cursor_execute or dispatch.after_cursor_execute)
 
 
 def _one_row(engine: Engine, read: Prepared, values: dict[str, Any], *, autocommit: bool) -> Any:
-    """One row of ``read`` on a pooled DBAPI connection, when nobody watches statements.
+    """One row of ``read`` on a pooled DBAPI connection (see :func:`driver_read`)."""
+    return driver_read(engine, read, values, autocommit=autocommit, fetch=_first)
+
+
+def _first(cursor: Any) -> Any:
+    return cursor.fetchone()
+
+
+def driver_read(
+    engine: Engine,
+    read: Prepared,
+    values: dict[str, Any],
+    *,
+    autocommit: bool,
+    fetch: Callable[[Any], R],
+) -> R:
+    """``fetch(cursor)`` after ``read`` ran on a pooled DBAPI connection, when nobody
+    watches statements.
 
     SQLAlchemy's per-execute work (a ``Connection``, its execution context, result set-up,
     the isolation level set and reset around an autocommit read) costs several times
-    SQLite's own for this one-row read. The statement, its parameters' conversion, the
+    SQLite's own for a short keyed read. The statement, its parameters' conversion, the
     pool (pre-ping, reset on return) and the error translation (a disconnect invalidates)
     are the same as through the engine (see ``dcache._writer``). ``autocommit`` runs it
     outside a transaction on the driver (psycopg: no BEGIN, no ROLLBACK; a local switch,
@@ -64,7 +83,7 @@ def _one_row(engine: Engine, read: Prepared, values: dict[str, Any], *, autocomm
             dbapi.autocommit = True
         cursor = dbapi.cursor()
         cursor.execute(read.sql, read.params(values))
-        return cursor.fetchone()
+        return fetch(cursor)
     except Exception as exc:
         raise driver_error(engine, pooled, exc, read.sql, cursor) from exc
     finally:
@@ -197,7 +216,7 @@ class WebReads:
             )
             read = Prepared(q, self._engine.dialect, [c.type for c in JOB_COLS])
             self.__dict__["_poll_read"] = read
-        if _watched(self._engine):
+        if watched(self._engine):
             with self._one_statement() as conn:
                 row = read.execute(conn, job_id=job_id, now=now).first()
         else:

@@ -18,7 +18,7 @@ from sqlalchemy.engine import Dialect
 
 from ._errors import StoreError, wrap_errors
 from ._prepared import Prepared
-from ._reads import _watched
+from ._reads import watched
 from ._rows import JobRow, NewTarget, SubmitOutcome
 from ._schema import GLOBAL_LOCK, Status, UTCDateTime, jobs, locks, targets
 from ._shared import JOB_COLS, LIVE_IN, aware_now, findable, job_from, job_row, visible
@@ -83,7 +83,7 @@ class _Run:
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
-        self.raw = not _watched(conn.engine)
+        self.raw = not watched(conn.engine)
 
     def rows(self, statement: Prepared, values: dict[str, Any]) -> list[Any]:
         """The statement's rows (as the driver returned them)."""

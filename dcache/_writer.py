@@ -33,6 +33,7 @@ from . import _sql
 from ._errors import StoreError, translate
 from ._outbox import message_id, notify_statement
 from ._prepared import Prepared
+from ._reads import watched
 from ._rows import WriteOutcome
 from ._schema import LIVE, UTCDateTime, jobs, targets
 
@@ -265,9 +266,7 @@ class GroupWriter:
 
     def _watched(self) -> bool:
         """Whether anyone watches statements (``echo``, cursor events: tracing, tests)."""
-        engine = self._db._wwriter
-        dispatch = engine.dispatch
-        return bool(engine.echo or dispatch.before_cursor_execute or dispatch.after_cursor_execute)
+        return watched(self._db._wwriter)
 
     def _through_engine(self, conn: Connection, pending: list[_Outcome]) -> list[WriteOutcome]:
         """The batch through SQLAlchemy's execution: every engine event sees it."""

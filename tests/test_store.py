@@ -579,39 +579,46 @@ def test_one_statement_reads_open_no_transaction_on_postgresql(db: DB) -> None:
 
 
 @pytest.mark.parametrize("backend", ["postgresql", "pgbouncer"])
-def test_a_conditional_poll_is_one_exchange_with_the_server(
+def test_a_poll_and_a_status_read_are_one_exchange_with_the_server(
     db: DB, backend: str, tmp_path: Path
 ) -> None:
-    """Nobody watching statements, ``poll_job`` runs on the pooled driver connection: the
-    wire carries its SELECT and nothing else (no BEGIN, no ROLLBACK, no SET), and the
-    connection goes back to the pool out of autocommit, its next transaction a real one."""
+    """Nobody watching statements, ``poll_job`` and ``get_job_with_targets`` run on the
+    pooled driver connection: the wire carries the SELECT and nothing else (no BEGIN, no
+    ROLLBACK, no SET), and the connection goes back to the pool out of autocommit, its
+    next transaction a real one."""
     import psycopg
 
-    job = created(db, n=1)
+    job = created(db, n=2)
     store = DB.open(backend_url(backend, tmp_path), pool_size=1, max_overflow=0)
-    trace = tmp_path / "libpq.trace"
+    reads = {
+        "poll_job": lambda: store.poll_job(job.id, now=T0),
+        "get_job_with_targets": lambda: store.get_job_with_targets(job.id, now=T0),
+    }
     try:
         assert store.poll_job(job.id, now=T0) is not None  # the pool's one connection
         with store.engine.connect() as conn:
             raw = conn.connection.driver_connection
-        with trace.open("w") as out:
-            raw.pgconn.trace(out.fileno())
-            raw.pgconn.set_trace_flags(
-                psycopg.pq.Trace.SUPPRESS_TIMESTAMPS | psycopg.pq.Trace.REGRESS_MODE
-            )
-            try:
-                found = store.poll_job(job.id, now=T0)
-            finally:
-                raw.pgconn.untrace()
-        assert found is not None and found.id == job.id
-        sent = [line.split("\t") for line in trace.read_text().splitlines()]
-        to_server = [f[2:] for f in sent if f[0] == "F"]
-        text = " ".join(" ".join(f) for f in to_server).upper()
-        assert "SELECT" in text, to_server
-        for word in ("BEGIN", "ROLLBACK", "COMMIT", " SET "):
-            assert word not in text, to_server
-        assert sum(1 for f in sent if f[0] == "B" and f[2].startswith("ReadyForQuery")) == 1
-        assert raw.autocommit is False
+        for name, read in reads.items():
+            trace = tmp_path / f"{name}.trace"
+            with trace.open("w") as out:
+                raw.pgconn.trace(out.fileno())
+                raw.pgconn.set_trace_flags(
+                    psycopg.pq.Trace.SUPPRESS_TIMESTAMPS | psycopg.pq.Trace.REGRESS_MODE
+                )
+                try:
+                    found = read()
+                finally:
+                    raw.pgconn.untrace()
+            assert found is not None, name
+            sent = [line.split("\t") for line in trace.read_text().splitlines()]
+            to_server = [f[2:] for f in sent if f[0] == "F"]
+            text = " ".join(" ".join(f) for f in to_server).upper()
+            assert "SELECT" in text, (name, to_server)
+            for word in ("BEGIN", "ROLLBACK", "COMMIT", " SET "):
+                assert word not in text, (name, to_server)
+            ready = [f for f in sent if f[0] == "B" and f[2].startswith("ReadyForQuery")]
+            assert len(ready) == 1, (name, sent)
+            assert raw.autocommit is False, name
         with store.engine.begin() as conn:
             conn.exec_driver_sql("SELECT 1")
             assert raw.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
