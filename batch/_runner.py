@@ -26,6 +26,7 @@ from dcache import (
     TargetRow,
     WriteOutcome,
 )
+from dcache._shared import utf8_size
 
 from ._errors import (
     BusyError,
@@ -853,7 +854,7 @@ class Runner:
         too_deep = _json_depth(res.meta, MAX_META_DEPTH) > MAX_META_DEPTH
         try:
             payload = json.dumps(res.to_json(), ensure_ascii=False, allow_nan=False)
-            size = len(payload) if payload.isascii() else len(payload.encode("utf-8"))
+            size = utf8_size(payload)
         except RecursionError:
             too_deep = True
         except (TypeError, ValueError) as exc:
@@ -1200,8 +1201,7 @@ class Runner:
         row = self._db.poll_job(job_id, now=self._clock())
         if row is None:
             return None
-        ended = row.notify_url is not None and row.status not in dcache.LIVE
-        return _job(row), self._db.notification(job_id) if ended else None
+        return _job(row), self._db.notification(job_id) if row.announced else None
 
     def wait_change(
         self, job_id: str, unchanged: Callable[[Job], bool], timeout: float

@@ -26,6 +26,7 @@ import dcache
 from bench._env import LIVE_SQL, TTL, TTL_S, Backend, dbapi_connect, sqlite_path, utcnow
 from dcache import NewTarget
 from dcache._schema import GLOBAL_LOCK, LIVE, UTCDateTime, jobs, locks, targets
+from dcache._shared import utf8_size
 
 JOBS_PER_CALLER = 1  # batch.Config() defaults: the drains run one job at a time
 JOBS_TOTAL = 8
@@ -84,13 +85,6 @@ def target_values(**given: Any) -> dict[str, Any]:
         **given,
     }
     return _fill_row(targets, row)
-
-
-def _size(result: str | None) -> int | None:
-    """The result's UTF-8 size, stored with it (as dcache's writer computes it)."""
-    if result is None:
-        return None
-    return len(result) if result.isascii() else len(result.encode("utf-8"))
 
 
 def update_returning(kind: str) -> bool:
@@ -276,7 +270,8 @@ class RawStore:
         now = utcnow()
         ts = self.ts(now)
         failed = 1 if status == "failed" else 0
-        target_values = (status, result, _size(result), "", "", ts, job_id, idx)
+        size = None if result is None else utf8_size(result)
+        target_values = (status, result, size, "", "", ts, job_id, idx)
         job_values = (ts, failed, failed, failed, ts, self.ts(now + TTL), job_id)
         cur = self.cur
         self._begin()
@@ -432,7 +427,7 @@ class CoreStore:
                 .values(
                     status=status,
                     result=result,
-                    result_bytes=_size(result),
+                    result_bytes=None if result is None else utf8_size(result),
                     error="",
                     hint="",
                     updated_at=now,

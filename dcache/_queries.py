@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import datetime as dt
 import sqlite3
+from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import Connection, Engine, func, select
 
 from . import _sql
 from ._errors import wrap_errors
 from ._prepared import Prepared
-from ._reads import driver_read, watched
+from ._reads import every
 from ._rows import JobRow, Lookup, TargetRow
 from ._schema import LIVE, TARGET_ROWID, jobs, targets, tombstones, utf8
 from ._shared import (
@@ -26,9 +27,7 @@ from ._shared import (
     visible,
 )
 
-
-def _all(cursor: Any) -> list[Any]:
-    return list(cursor.fetchall())
+R = TypeVar("R")
 
 
 class JobReads:
@@ -41,6 +40,10 @@ class JobReads:
         def _read(self) -> AbstractContextManager[Connection]: ...
 
         def _one_statement(self) -> Connection: ...
+
+        def _prepared_read(
+            self, read: Prepared, values: dict[str, Any], fetch: Callable[[Any], R]
+        ) -> R: ...
 
         _status_brief: Prepared
 
@@ -73,13 +76,7 @@ class JobReads:
         read = self._status_read if results else self._status_brief
         # Status polling is the hot read: one prepared statement, the job's columns
         # converted once (from the first row), the targets' from every row.
-        values = {"job_id": job_id, "now": now}
-        if watched(self._engine):
-            with self._one_statement() as conn:
-                rows = conn.exec_driver_sql(read.sql, read.params(values)).fetchall()
-        else:
-            autocommit = self.dialect == "postgresql"
-            rows = driver_read(self._engine, read, values, autocommit=autocommit, fetch=_all)
+        rows = self._prepared_read(read, {"job_id": job_id, "now": now}, every)
         if not rows:
             return None
         t0 = len(JOB_COLS)

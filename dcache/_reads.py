@@ -45,13 +45,14 @@ def watched(engine: Engine) -> bool:
     return bool(engine.echo or dispatch.before_cursor_execute or dispatch.after_cursor_execute)
 
 
-def _one_row(engine: Engine, read: Prepared, values: dict[str, Any], *, autocommit: bool) -> Any:
-    """One row of ``read`` on a pooled DBAPI connection (see :func:`driver_read`)."""
-    return driver_read(engine, read, values, autocommit=autocommit, fetch=_first)
-
-
-def _first(cursor: Any) -> Any:
+def first(cursor: Any) -> Any:
+    """The first row (a DBAPI cursor's or SQLAlchemy's result's)."""
     return cursor.fetchone()
+
+
+def every(cursor: Any) -> list[Any]:
+    """Every row (a DBAPI cursor's or SQLAlchemy's result's)."""
+    return list(cursor.fetchall())
 
 
 def driver_read(
@@ -198,6 +199,18 @@ class WebReads:
         @staticmethod
         def _cancel(conn: Connection, job_id: str, ttl: dt.timedelta, now: dt.datetime) -> bool: ...
 
+    def _prepared_read(
+        self, read: Prepared, values: dict[str, Any], fetch: Callable[[Any], R]
+    ) -> R:
+        """``fetch`` after a read of one prepared statement: on the pooled driver
+        connection when nobody watches statements (:func:`driver_read`; PostgreSQL in
+        autocommit), else through SQLAlchemy on :meth:`DB._one_statement`."""
+        if watched(self._engine):
+            with self._one_statement() as conn:
+                return fetch(conn.exec_driver_sql(read.sql, read.params(values)))
+        autocommit = self.dialect == "postgresql"
+        return driver_read(self._engine, read, values, autocommit=autocommit, fetch=fetch)
+
     @wrap_errors
     def poll_job(self, job_id: str, now: dt.datetime | None = None) -> JobRow | None:
         """As :meth:`DB.get_job`, for the hottest read there is: a conditional poll.
@@ -216,12 +229,7 @@ class WebReads:
             )
             read = Prepared(q, self._engine.dialect, [c.type for c in JOB_COLS])
             self.__dict__["_poll_read"] = read
-        if watched(self._engine):
-            with self._one_statement() as conn:
-                row = read.execute(conn, job_id=job_id, now=now).first()
-        else:
-            values = {"job_id": job_id, "now": now}
-            row = _one_row(self._engine, read, values, autocommit=self.dialect == "postgresql")
+        row = self._prepared_read(read, {"job_id": job_id, "now": now}, first)
         return job_from(read.convert(row)) if row is not None else None
 
     @wrap_errors
@@ -265,7 +273,7 @@ class WebReads:
             job = job_from(row[:t0])
             first = TargetRow(*row[t0:]) if row[t0] is not None else None
             note = None
-            if notification and job.notify_url is not None and job.status not in LIVE:
+            if notification and job.announced:
                 note = read_notification(conn, job_id)
         except BaseException:
             conn.close()

@@ -51,6 +51,12 @@ class JobRow:
     payload_key: str | None = None
     notify_url: str | None = None  # where the job's end is announced (a webhook)
 
+    @property
+    def announced(self) -> bool:
+        """Whether the job has ended and asked for its end to be announced: only then can
+        it have an end notification (see ``dcache._outbox``)."""
+        return self.notify_url is not None and self.status not in LIVE
+
 
 @attrs.frozen
 class TargetRow:

@@ -300,12 +300,6 @@ def _result_bytes(element: result_bytes, compiler: Any, **kw: Any) -> str:
     return f"octet_length({compiler.process(element.clauses, **kw)})"
 
 
-@compiles(result_bytes, "sqlite")
-def _result_bytes_sqlite(element: result_bytes, compiler: Any, **kw: Any) -> str:
-    # SQLite's length() counts characters of text and bytes of a blob.
-    return f"length(CAST({compiler.process(element.clauses, **kw)} AS BLOB))"
-
-
 class utf8(FunctionElement[bytes]):
     """A text column's UTF-8 encoding, as bytes (``substr`` on it counts bytes)."""
 
@@ -328,6 +322,13 @@ def _utf8_postgresql(element: utf8, compiler: Any, **kw: Any) -> str:
 def _utf8_sqlite(element: utf8, compiler: Any, **kw: Any) -> str:
     # The store's files are UTF-8 (SQLite's default encoding; see DB.read_result).
     return f"CAST({compiler.process(element.clauses, **kw)} AS BLOB)"
+
+
+@compiles(result_bytes, "sqlite")
+def _result_bytes_sqlite(element: result_bytes, compiler: Any, **kw: Any) -> str:
+    # SQLite has no octet_length (before 3.43): length() counts a blob's bytes.
+    (text,) = element.clauses
+    return f"length({compiler.process(utf8(text), **kw)})"
 
 
 _PADDING_BIN = re.compile(r"COLLATE\s*=?\s*utf8mb4_bin\b")

@@ -41,6 +41,11 @@ def findable(*keys: object) -> bool:
     return True
 
 
+def utf8_size(text: str) -> int:
+    """A text's size in UTF-8 bytes (its length when it is ASCII, without encoding it)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
+
+
 def aware_now(now: dt.datetime | None) -> dt.datetime:
     if now is None:
         return utcnow()

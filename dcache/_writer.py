@@ -36,6 +36,7 @@ from ._prepared import Prepared
 from ._reads import watched
 from ._rows import WriteOutcome
 from ._schema import LIVE, UTCDateTime, jobs, targets
+from ._shared import utf8_size
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -117,13 +118,6 @@ def _statements() -> tuple[Any, Any, Any]:
     return target, job, read
 
 
-def _utf8_size(text: str | None) -> int | None:
-    """A text's size in UTF-8 bytes (its length when it is ASCII, without encoding it)."""
-    if text is None:
-        return None
-    return len(text) if text.isascii() else len(text.encode("utf-8"))
-
-
 class _Outcome:
     """One target's outcome waiting for its commit, and then its answer."""
 
@@ -185,7 +179,7 @@ class GroupWriter:
                 "idx": idx,
                 "status": status,
                 "result": result,
-                "result_bytes": _utf8_size(result),
+                "result_bytes": None if result is None else utf8_size(result),
                 "error": error,
                 "hint": hint,
                 "now": now,
