@@ -53,8 +53,8 @@ class JobRow:
 
     @property
     def announced(self) -> bool:
-        """Whether the job has ended and asked for its end to be announced: only then can
-        it have an end notification (see ``dcache._outbox``)."""
+        """True when the job has ended and asked for its end to be announced; only then
+        can it have an end notification (see ``dcache._outbox``)."""
         return self.notify_url is not None and self.status not in LIVE
 
 
