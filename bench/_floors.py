@@ -114,11 +114,22 @@ SQL_WRITE_JOB = (
     "updated_at = ?, expires_at = ? WHERE id = ?"
 )
 SQL_RETURNING = " RETURNING status, finished_at"
-# PostgreSQL: both updates in one statement, the target's in a data-modifying CTE, as
-# dcache's writer does there (no row back: the target was not pending).
+# PostgreSQL: the whole write in one statement, as dcache's writer runs it there (in
+# autocommit: one round trip). The target's update in a data-modifying CTE, the job's
+# only where it changed a row, the announcement queued where that ended the job, and one
+# row back: the job's status, finish time and whether the target was written.
 SQL_WRITE_BOTH = (
-    f"WITH changed AS ({SQL_WRITE_TARGET} RETURNING job_id) {SQL_WRITE_JOB} "
-    "AND EXISTS (SELECT job_id FROM changed)" + SQL_RETURNING
+    f"WITH changed AS ({SQL_WRITE_TARGET} RETURNING job_id), "
+    f"after AS ({SQL_WRITE_JOB} AND EXISTS (SELECT job_id FROM changed) "
+    "RETURNING id, caller, notify_url, status, finished_at), "
+    "notified AS (INSERT INTO batch_outbox (id, job_id, caller, url, job_status, status, "
+    "attempts, next_attempt_at, claimed_by, last_answer, created_at, updated_at) "
+    "SELECT ?, id, caller, notify_url, status, 'pending', 0, ?, '', '', ?, ? FROM after "
+    f"WHERE notify_url IS NOT NULL AND status NOT IN {LIVE_SQL} "
+    "AND NOT EXISTS (SELECT 1 FROM batch_outbox WHERE id = ?)) "
+    "SELECT status, finished_at, true FROM after UNION ALL "
+    "SELECT status, finished_at, false FROM batch_job "
+    "WHERE id = ? AND NOT EXISTS (SELECT job_id FROM changed)"
 )
 SQL_JOB_STATE = "SELECT status, finished_at FROM batch_job WHERE id = ?"
 # The statements of dcache.DB.submit.
@@ -274,19 +285,26 @@ class RawStore:
         target_values = (status, result, size, "", "", ts, job_id, idx)
         job_values = (ts, failed, failed, failed, ts, self.ts(now + TTL), job_id)
         cur = self.cur
+        if self.q_both is not None:  # one statement, its own transaction
+            msg = "msg_" + job_id
+            self.conn.autocommit = True
+            try:
+                cur.execute(
+                    self.q_both, (*target_values, *job_values, msg, ts, ts, ts, msg, job_id)
+                )
+                row = cur.fetchone()
+            finally:
+                self.conn.autocommit = False
+            return row is not None and row[2] and row[0] in ("queued", "running")
         self._begin()
         try:
-            if self.q_both is not None:  # one statement: no row back, the target was not pending
-                cur.execute(self.q_both, (*target_values, *job_values))
+            cur.execute(self.q_target, target_values)
+            row = None
+            if cur.rowcount == 1:
+                cur.execute(self.q_job, job_values)
+                if not self.returning:
+                    cur.execute(self.q_state, (job_id,))
                 row = cur.fetchone()
-            else:
-                cur.execute(self.q_target, target_values)
-                row = None
-                if cur.rowcount == 1:
-                    cur.execute(self.q_job, job_values)
-                    if not self.returning:
-                        cur.execute(self.q_state, (job_id,))
-                    row = cur.fetchone()
             if row is None:  # nothing written: the job's state as it is
                 cur.execute(self.q_state, (job_id,))
                 row = cur.fetchone()

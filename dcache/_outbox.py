@@ -61,22 +61,24 @@ def message_id(job_id: str) -> str:
     return "msg_" + job_id
 
 
-def notify_statement() -> Any:
+def notify_statement(source: Any = jobs) -> Any:
     """Insert the job's outbox row if it has a notification URL and has ended.
 
     Parameters ``job_id``, ``msg_id`` (:func:`message_id`) and ``now``. Inserts nothing for
     a live job, a job without a URL, or one whose row exists already, so every path that
     ends a job can run it after its compare-and-set without counting who came first.
+    ``source`` is where the job's row is read: the table, or the rows an ``UPDATE ...
+    RETURNING`` of it gave in the same statement (PostgreSQL's per-target write).
     """
     now = bindparam("now", type_=UTCDateTime)
     msg = bindparam("msg_id", type_=outbox.c.id.type)
     taken = select(outbox.c.id).where(outbox.c.id == msg).exists()
     source = select(
         msg,
-        jobs.c.id,
-        jobs.c.caller,
-        jobs.c.notify_url,
-        jobs.c.status,
+        source.c.id,
+        source.c.caller,
+        source.c.notify_url,
+        source.c.status,
         literal(PENDING),
         literal(0),
         now,
@@ -85,9 +87,9 @@ def notify_statement() -> Any:
         now,
         now,
     ).where(
-        jobs.c.id == bindparam("job_id"),
-        jobs.c.notify_url.is_not(None),
-        jobs.c.status.not_in([literal(s) for s in LIVE]),
+        source.c.id == bindparam("job_id"),
+        source.c.notify_url.is_not(None),
+        source.c.status.not_in([literal(s) for s in LIVE]),
         ~taken,
     )
     return insert(outbox).from_select(_COLUMNS, source)

@@ -11,6 +11,11 @@ leader (no thread hand-off); many drains share a commit (one WAL flush for many
 targets), and no drain holds a connection while it fetches, so connections per process
 do not grow with live jobs.
 
+On PostgreSQL an outcome is one statement, and a batch one round trip: the statements
+are pipelined in autocommit, one implicit transaction up to the Sync that ends them
+(see :meth:`GroupWriter._in_pipeline`). SQLite and MariaDB run each batch in a
+transaction of their own, statement by statement.
+
 An outcome the database refuses (a permanent error on its own statements: a result too
 large for the server, say) is answered with that error and the others are committed
 without it. A transient failure (a lost connection, a deadlock, a COMMIT whose reply
@@ -26,7 +31,21 @@ import datetime as dt
 import threading
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, and_, bindparam, case, func, literal, not_, or_, select, update
+from sqlalchemy import (
+    Connection,
+    and_,
+    bindparam,
+    case,
+    false,
+    func,
+    literal,
+    not_,
+    or_,
+    select,
+    true,
+    union_all,
+    update,
+)
 from sqlalchemy import exc as sa_exc
 
 from . import _sql
@@ -137,24 +156,27 @@ class GroupWriter:
         dialect = db.engine.dialect
         target, job, read = _statements()
         self._returning = bool(dialect.update_returning)
-        # PostgreSQL runs both updates as one statement (one round trip, not two): the
-        # target's compare-and-set in a data-modifying CTE, the job's update only where
-        # it changed a row. No row back means the target was not pending, as a rowcount
-        # of 0 does on the others (neither SQLite nor MariaDB modifies data in a CTE).
+        # PostgreSQL runs an outcome as ONE statement (see _together); SQLite and MariaDB
+        # as two or three (neither modifies data in a CTE).
         self._together = dialect.name == "postgresql"
         if self._together:
-            changed = target.returning(targets.c.job_id).cte("changed")
-            job = job.where(select(changed.c.job_id).exists())
-        if self._returning:
+            job = _together(target, job)
+        elif self._returning:
             job = job.returning(jobs.c.status, jobs.c.finished_at)
+        # psycopg 3 with a libpq that pipelines: a batch is one round trip (_in_pipeline).
+        self._pipelined = self._together and _can_pipeline(dialect)
         result_types = (jobs.c.status.type, jobs.c.finished_at.type)
         self._target = Prepared(target, dialect)
         self._job = Prepared(job, dialect, result_types)
         self._read = Prepared(read, dialect, result_types)
         self._notify = Prepared(notify_statement(), dialect)
-        self._leader = threading.Lock()  # held by the thread committing a batch
-        self._queued_lock = threading.Lock()  # guards _queued only
+        # Guards _queued and _leading. The leader commits without holding it, so drains
+        # queue behind a running commit, and the ones it answered wake at once (each
+        # waiting on the lock the next leader holds for its whole commit would answer
+        # them only after that commit too).
+        self._cond = threading.Condition(threading.Lock())
         self._queued: list[_Outcome] = []
+        self._leading = False  # a thread is committing a batch
         self._conn: Connection | None = None
         self._current: _Outcome | None = None  # the outcome whose statements are running
         self._sqlite = dialect.name == "sqlite"
@@ -184,18 +206,27 @@ class GroupWriter:
                 "hint": hint,
                 "now": now,
                 "expires_at": now + ttl,
+                "msg_id": message_id(job_id),
                 "failed": 1 if status == "failed" else 0,
             }
         )
-        with self._queued_lock:
+        cond = self._cond
+        with cond:
             self._queued.append(mine)
-        while mine.answer is None and mine.error is None:
-            with self._leader:
-                if mine.answer is None and mine.error is None:
-                    with self._queued_lock:
-                        batch = self._queued[:MAX_BATCH]
-                        del self._queued[:MAX_BATCH]
+            while mine.answer is None and mine.error is None:
+                if self._leading:
+                    cond.wait()
+                    continue
+                self._leading = True
+                batch = self._queued[:MAX_BATCH]
+                del self._queued[:MAX_BATCH]
+                cond.release()
+                try:
                     self._commit(batch)
+                finally:
+                    cond.acquire()
+                    self._leading = False
+                    cond.notify_all()
         if mine.error is not None:
             raise mine.error
         assert mine.answer is not None
@@ -203,7 +234,9 @@ class GroupWriter:
 
     def close(self) -> None:
         """Give the write connection back to the pool."""
-        with self._leader:
+        with self._cond:
+            while self._leading:
+                self._cond.wait()
             self._drop()
 
     def _drop(self) -> None:
@@ -284,6 +317,52 @@ class GroupWriter:
         as much as SQLite's own work for this write; the statements, their parameters'
         conversion and the error translation are the same as through the engine.
         """
+        if self._pipelined:
+            answers = self._in_pipeline(conn, pending)
+            if answers is not None:
+                return answers
+        return self._one_by_one(conn, pending)
+
+    def _in_pipeline(self, conn: Connection, pending: list[_Outcome]) -> list[WriteOutcome] | None:
+        """PostgreSQL: the whole batch in one round trip and one transaction.
+
+        Each outcome is one statement (see _together). In autocommit, a lone statement is
+        its own transaction; for more, psycopg's pipeline mode sends every statement and
+        then one Sync, and the server runs the statements up to the Sync as one implicit
+        transaction, committed at the Sync or rolled back whole if any statement fails.
+        So the batch costs one round trip whatever its size, where a transaction of its
+        own costs two more (BEGIN, COMMIT); the pipeline's own work is left out for a
+        lone statement, where it would cost more than the statement's client side.
+        A statement the server refuses returns None:
+        nothing was written, and the caller runs the batch again one statement at a time
+        to find the outcome at fault. A lost connection (the Sync's reply lost included)
+        raises, as a lost COMMIT does.
+        """
+        dbapi: Any = conn.connection.driver_connection
+        sql = self._job.sql
+        cursors = []
+        dbapi.autocommit = True
+        try:
+            with dbapi.pipeline() if len(pending) > 1 else contextlib.nullcontext():
+                for outcome in pending:
+                    cursor = dbapi.cursor()
+                    cursors.append(cursor)
+                    cursor.execute(sql, self._job.params(outcome.values))
+            rows = [cursor.fetchone() for cursor in cursors]
+        except Exception as exc:
+            err = _as_sqlalchemy(conn, exc, sql, None)
+            if not isinstance(err, sa_exc.DBAPIError) or err.connection_invalidated:
+                raise err from exc
+            return None
+        finally:
+            for cursor in cursors:
+                cursor.close()
+            with contextlib.suppress(Exception):
+                dbapi.autocommit = False
+        return [self._answer(row) for row in rows]
+
+    def _one_by_one(self, conn: Connection, pending: list[_Outcome]) -> list[WriteOutcome]:
+        """The batch in a transaction of its own, one statement at a time."""
         dbapi: Any = conn.connection.driver_connection
         cursor = dbapi.cursor()
         sql = ""
@@ -324,16 +403,15 @@ class GroupWriter:
         """One outcome's statements inside the batch's transaction."""
         if self._together:
             _, fetch = run(self._job, values)
-            row = fetch()  # no row: the target was not pending
-        else:
-            rowcount, _ = run(self._target, values)
-            row = None
-            if rowcount == 1:
-                _, fetch = run(self._job, values)
-                if not self._returning:
-                    _, fetch = run(self._read, values)
-                row = fetch()
-                assert row is not None, "a target's job row is missing"
+            return self._answer(fetch())
+        rowcount, _ = run(self._target, values)
+        row = None
+        if rowcount == 1:
+            _, fetch = run(self._job, values)
+            if not self._returning:
+                _, fetch = run(self._read, values)
+            row = fetch()
+            assert row is not None, "a target's job row is missing"
         if row is None:  # the target was not pending: nothing written
             _, fetch = run(self._read, values)
             row = fetch()
@@ -341,9 +419,53 @@ class GroupWriter:
         if row[0] not in LIVE:
             # This write ended the job (or found it ended): its announcement, if it has a
             # URL and none is queued yet, commits with it (see dcache._outbox).
-            notify = {"job_id": values["job_id"], "msg_id": message_id(values["job_id"])}
-            run(self._notify, {**notify, "now": values["now"]})
+            run(self._notify, values)
         return WriteOutcome(True, row[0], finished=row[1] is not None)
+
+    @staticmethod
+    def _answer(row: Any) -> WriteOutcome:
+        """The outcome of PostgreSQL's one statement, from its row (see _together)."""
+        if row is None:  # the job's row is gone (purged)
+            return WriteOutcome(False, "")
+        status, finished_at, written = row
+        if not written:
+            return WriteOutcome(False, status)
+        return WriteOutcome(True, status, finished=finished_at is not None)
+
+
+def _together(target: Any, job: Any) -> Any:
+    """PostgreSQL's per-target write as one statement, from the write's own statements.
+
+    The target's compare-and-set in a data-modifying CTE; the job's update only where it
+    changed a row; the job's announcement queued where that update ended the job (the
+    outbox's own statement, reading the updated row); then one row back: the job's
+    status, its finish time and whether the target was written. When it was not, the
+    row is the job as it stands (every part of one statement reads the same snapshot,
+    and nothing in it changed the job).
+    """
+    changed = target.returning(targets.c.job_id).cte("changed")
+    wrote = select(changed.c.job_id).exists()
+    after = (
+        job.where(wrote)
+        .returning(jobs.c.id, jobs.c.caller, jobs.c.notify_url, jobs.c.status, jobs.c.finished_at)
+        .cte("after")
+    )
+    notified = notify_statement(after).cte("notified")
+    unchanged = select(jobs.c.status, jobs.c.finished_at, false()).where(
+        jobs.c.id == bindparam("job_id"), ~wrote
+    )
+    return union_all(select(after.c.status, after.c.finished_at, true()), unchanged).add_cte(
+        notified
+    )
+
+
+def _can_pipeline(dialect: Any) -> bool:
+    """Whether the driver is psycopg 3 and its libpq has pipeline mode (libpq 14+)."""
+    if dialect.driver != "psycopg":
+        return False
+    import psycopg
+
+    return bool(psycopg.Pipeline.is_supported())
 
 
 def _as_sqlalchemy(conn: Connection, exc: Exception, sql: str, cursor: Any) -> Exception:

@@ -17,9 +17,11 @@ the order they reach it (1, 2, ...) and records each one (:class:`Unit`). Given 
 
 - ``before``: drops the statement and resets the connection (the server never sees it);
 - ``after``: forwards it, forwards its whole reply, then resets the connection;
-- ``commit`` (COMMIT statements only): forwards it, waits until the server has answered
-  (so the commit happened), drops the answer and resets the connection: the client cannot
-  know whether its commit took effect.
+- ``commit`` (statements that commit: COMMIT, and on PostgreSQL a write sent while the
+  session is in no transaction block, an implicit transaction the server commits at its
+  Sync): forwards it, waits until the server has answered (so the commit happened), drops
+  the answer and resets the connection: the client cannot know whether its commit took
+  effect.
 
 With ``action="exit"`` the proxy ends its whole process with ``os._exit`` at the cut
 instead (a crash at that statement; for ``after`` and ``commit`` once the server has
@@ -92,6 +94,12 @@ def _is_commit(sql: str) -> bool:
     return bool(words) and words[0].upper() in ("COMMIT", "END")
 
 
+def _writes(sql: str) -> bool:
+    """Whether a statement may change data (so, outside a transaction block, commits it)."""
+    words = sql.strip().split(maxsplit=1)
+    return bool(words) and words[0].upper() in ("WITH", "UPDATE", "INSERT", "DELETE")
+
+
 def _short(sql: str) -> str:
     s = " ".join(sql.split())
     return s if len(s) <= 120 else s[:117] + "..."
@@ -125,6 +133,8 @@ class _Link:
         self.raw_replies = 0
         self.prepared: dict[bytes, str] = {}
         self.last_text = "<extended>"
+        # Whether the last ReadyForQuery said the session is in no transaction block.
+        self.idle = True
         # MySQL: capability flag of the session; reply parser state.
         self.deprecate_eof = False
         self.reply_state: tuple[str, int] = ("first", 0)
@@ -394,7 +404,10 @@ class WireProxy:
                 # The group this message closes is one statement: hold everything of it
                 # (``out`` since the last boundary) until the decision is made.
                 text = self._pg_text(link, out + msg if kind == b"S" else msg)
-                cut = self._statement(link, text, _is_commit(text))
+                # Outside a transaction block, an extended-protocol group is an implicit
+                # transaction: a write in it commits at its Sync.
+                implicit = kind == b"S" and link.idle and _writes(text)
+                cut = self._statement(link, text, _is_commit(text) or implicit)
                 if cut == "before":
                     self._kill(link)
                     return None
@@ -457,6 +470,7 @@ class WireProxy:
             msg = bytes(buf[: 1 + size])
             del buf[: 1 + size]
             if kind == b"Z":
+                link.idle = msg[5:6] == b"I"
                 cut = self._answered(link)
                 if cut is not None:
                     return bytes(out + msg) if cut == "after" else bytes(out), cut

@@ -10,6 +10,7 @@ import datetime as dt
 import hashlib
 import sqlite3
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -74,6 +75,16 @@ def created(db: DB, **kw: Any) -> JobRow:
     assert out.kind == "created", out
     assert out.job is not None
     return out.job
+
+
+def on_threads(fn: Any, items: list[Any]) -> None:
+    """Run ``fn(item)`` on a thread of its own for every item; all must end in 30 s."""
+    threads = [threading.Thread(target=fn, args=(item,)) for item in items]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+        assert not t.is_alive()
 
 
 def job_of(db: DB, job_id: str, now: dt.datetime = T0) -> JobRow:
@@ -645,6 +656,13 @@ def test_after_a_read_in_autocommit_transactions_are_still_read_committed(
         with store.engine.begin() as conn:
             level = conn.exec_driver_sql("SHOW transaction_isolation").scalar_one()
         assert level == "read committed"
+        # The writer's statements run in autocommit too (each its own transaction, at the
+        # server's level); they store on such a server all the same.
+        job = created(store, n=2)
+        for i in range(2):
+            out = store.write_target(job.id, i, status="done", result="r", ttl=TTL, now=T0)
+            assert out.stored
+        assert job_of(store, job.id).status == "done"
     finally:
         store.close()
 
@@ -732,12 +750,7 @@ def test_concurrent_drains_share_commits_and_each_gets_its_own_answer(db: DB) ->
             for i in range(8)
         ]
 
-    threads = [threading.Thread(target=drain, args=(j,)) for j in jobs_]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-        assert not t.is_alive()
+    on_threads(drain, jobs_)
     for job in jobs_:
         assert [a.stored for a in answers[job.id]] == [True] * 8
         assert [a.status for a in answers[job.id]] == ["running"] * 7 + ["done"]
@@ -778,6 +791,155 @@ def test_an_outcome_the_database_refuses_does_not_fail_the_others_in_its_batch(d
     assert not isinstance(errors[bad.id], dcache.StoreUnavailableError)
     assert all(outs[j.id] == dcache.WriteOutcome(True, "done", True) for j in good)
     assert job_of(db, bad.id).targets_done == 0
+
+
+def _refusing_trigger(db: DB, marker: str) -> Any:
+    """A trigger that makes the server itself refuse a target update storing ``marker``
+    (nothing watches statements, so the writer runs its production path); the undo."""
+    stmts = {
+        "sqlite": [
+            "CREATE TRIGGER refuse_marker BEFORE UPDATE ON batch_target "
+            f"WHEN NEW.result = '{marker}' BEGIN SELECT RAISE(ABORT, 'refused'); END"
+        ],
+        "postgresql": [
+            "CREATE FUNCTION refuse_marker() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            f"IF NEW.result = '{marker}' THEN RAISE EXCEPTION 'refused'; END IF; "
+            "RETURN NEW; END $$",
+            "CREATE TRIGGER refuse_marker BEFORE UPDATE ON batch_target "
+            "FOR EACH ROW EXECUTE FUNCTION refuse_marker()",
+        ],
+        "mysql": [
+            "CREATE TRIGGER refuse_marker BEFORE UPDATE ON batch_target FOR EACH ROW BEGIN "
+            f"IF NEW.result = '{marker}' THEN SIGNAL SQLSTATE '22001' "
+            "SET MESSAGE_TEXT = 'refused', MYSQL_ERRNO = 1406; END IF; END"
+        ],
+    }[db.dialect]
+    drops = {
+        "sqlite": ["DROP TRIGGER refuse_marker"],
+        "postgresql": ["DROP TRIGGER refuse_marker ON batch_target", "DROP FUNCTION refuse_marker"],
+        "mysql": ["DROP TRIGGER refuse_marker"],
+    }[db.dialect]
+    with db.engine.begin() as conn:
+        for sql in stmts:
+            conn.exec_driver_sql(sql)
+
+    def undo() -> None:
+        with db.engine.begin() as conn:
+            for sql in drops:
+                conn.exec_driver_sql(sql)
+
+    return undo
+
+
+def test_a_batch_with_an_outcome_the_server_refuses_commits_the_others(db: DB) -> None:
+    """The group writer's production path (nobody watching statements; on PostgreSQL the
+    batch pipelined in one round trip): the server refuses one outcome of a batch, which
+    is answered alone with its error, and the others are committed. On the servers the
+    first writer is held on a row lock until the others have queued behind it, so they
+    form one batch for certain."""
+    first = created(db, caller="first", n=1)
+    good = [created(db, caller=f"g{i}", n=1) for i in range(5)]
+    bad = created(db, caller="bad", n=1)
+    undo = _refusing_trigger(db, "refuse me")
+    errors: dict[str, BaseException] = {}
+    outs: dict[str, dcache.WriteOutcome] = {}
+
+    def write(job: JobRow, result: str) -> None:
+        try:
+            outs[job.id] = db.write_target(job.id, 0, status="done", result=result, ttl=TTL, now=T0)
+        except dcache.StoreError as exc:
+            errors[job.id] = exc
+
+    held = db.dialect != "sqlite"
+    blocker = db.engine.connect() if held else None
+    try:
+        if blocker is not None:
+            blocker.begin()
+            blocker.execute(
+                text("SELECT id FROM batch_job WHERE id = :id FOR UPDATE"), {"id": first.id}
+            )
+        commits_before = db._group.commits
+        leader = threading.Thread(target=write, args=(first, "fine"))
+        leader.start()
+        threads = [threading.Thread(target=write, args=(j, "fine")) for j in good]
+        threads.append(threading.Thread(target=write, args=(bad, "refuse me")))
+        for t in threads:
+            t.start()
+        if blocker is not None:
+            deadline = time.monotonic() + 10
+            while len(db._group._queued) < len(threads) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert len(db._group._queued) == len(threads)
+            blocker.rollback()
+        for t in [leader, *threads]:
+            t.join(30)
+            assert not t.is_alive()
+    finally:
+        if blocker is not None:
+            blocker.close()
+        undo()
+    assert set(errors) == {bad.id}
+    assert not isinstance(errors[bad.id], dcache.StoreUnavailableError)
+    assert all(outs[j.id] == dcache.WriteOutcome(True, "done", True) for j in [first, *good])
+    assert job_of(db, bad.id).targets_done == 0
+    found = db.get_job_with_targets(bad.id, now=T0)
+    assert found is not None and found[1][0].status == "pending"
+    if held:  # the leader's commit, then one for the five the refusal left
+        assert db._group.commits - commits_before == 2
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "pgbouncer"])
+def test_postgresql_commits_a_batch_in_one_exchange_with_the_server(
+    db: DB, backend: str, tmp_path: Path
+) -> None:
+    """Nobody watching statements, each outcome is one statement and a batch of them one
+    implicit transaction: the wire carries no BEGIN and no COMMIT, and the server answers
+    once per commit (one ReadyForQuery), whatever the batch's size."""
+    import psycopg
+
+    store = DB.open(backend_url(backend, tmp_path), pool_size=1, max_overflow=0)
+    try:
+        jobs_ = [created(store, caller=f"c{i}", n=4) for i in range(4)]
+        assert store.write_target(jobs_[0].id, 0, status="done", ttl=TTL, now=T0).stored
+        conn = store._group._conn
+        assert conn is not None
+        raw = conn.connection.driver_connection
+        trace = tmp_path / "writes.trace"
+        commits_before = store._group.commits
+        barrier = threading.Barrier(len(jobs_))
+
+        def drain(job: JobRow) -> None:
+            barrier.wait(10)
+            for i in range(1 if job is jobs_[0] else 0, 4):
+                out = store.write_target(job.id, i, status="done", result="r", ttl=TTL, now=T0)
+                assert out.stored
+
+        with trace.open("w") as out:
+            raw.pgconn.trace(out.fileno())
+            raw.pgconn.set_trace_flags(
+                psycopg.pq.Trace.SUPPRESS_TIMESTAMPS | psycopg.pq.Trace.REGRESS_MODE
+            )
+            try:
+                on_threads(drain, jobs_)
+            finally:
+                raw.pgconn.untrace()
+        commits = store._group.commits - commits_before
+        sent = [line.split("\t") for line in trace.read_text().splitlines()]
+        to_server = " ".join(" ".join(f[2:]) for f in sent if f[0] == "F").upper()
+        for word in ("BEGIN", "COMMIT", "ROLLBACK"):
+            assert word not in to_server
+        executes = [f for f in sent if f[0] == "F" and f[2].startswith("Execute")]
+        ready = [f for f in sent if f[0] == "B" and f[2].startswith("ReadyForQuery")]
+        # psycopg prepares a statement run often enough in an exchange of its own, once
+        # per connection (not behind PgBouncer, where the store turns that off).
+        prepares = [f for f in sent if f[0] == "F" and f[2] == "Parse" and '"_pg3_' in f[3]]
+        assert len(executes) == 15  # every outcome, one statement each
+        assert len(ready) == commits + len(prepares), sent
+        assert commits <= 15
+        for job in jobs_:
+            assert job_of(store, job.id).status == "done"
+    finally:
+        store.close()
 
 
 # -- status changes ------------------------------------------------------------------------
