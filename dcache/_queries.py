@@ -49,15 +49,15 @@ class JobReads:
 
         _status_read: Prepared
 
-    @wrap_errors
+        def poll_job(self, job_id: str, now: dt.datetime | None = None) -> JobRow | None: ...
+
     def get_job(self, job_id: str, now: dt.datetime | None = None) -> JobRow | None:
-        """The job, or ``None`` when unknown or its lease has lapsed."""
-        if not findable(job_id):
-            return None
-        now = aware_now(now)
-        with self._one_statement() as conn:
-            row = conn.execute(select(*JOB_COLS).where(jobs.c.id == job_id, visible(now))).first()
-        return job_row(row) if row is not None else None
+        """The job, or ``None`` when unknown or its lease has lapsed.
+
+        One prepared statement on the job's key (the conditional poll's, see
+        :meth:`poll_job`): ``Runner.wait`` and ``Runner.job`` read it once per job.
+        """
+        return self.poll_job(job_id, now)
 
     @wrap_errors
     def get_job_with_targets(

@@ -593,16 +593,17 @@ def test_one_statement_reads_open_no_transaction_on_postgresql(db: DB) -> None:
 def test_a_poll_and_a_status_read_are_one_exchange_with_the_server(
     db: DB, backend: str, tmp_path: Path
 ) -> None:
-    """Nobody watching statements, ``poll_job`` and ``get_job_with_targets`` run on the
-    pooled driver connection: the wire carries the SELECT and nothing else (no BEGIN, no
-    ROLLBACK, no SET), and the connection goes back to the pool out of autocommit, its
-    next transaction a real one."""
+    """Nobody watching statements, ``poll_job``, ``get_job`` and ``get_job_with_targets``
+    run on the pooled driver connection: the wire carries the SELECT and nothing else (no
+    BEGIN, no ROLLBACK, no SET), and the connection goes back to the pool out of
+    autocommit, its next transaction a real one."""
     import psycopg
 
     job = created(db, n=2)
     store = DB.open(backend_url(backend, tmp_path), pool_size=1, max_overflow=0)
     reads = {
         "poll_job": lambda: store.poll_job(job.id, now=T0),
+        "get_job": lambda: store.get_job(job.id, now=T0),
         "get_job_with_targets": lambda: store.get_job_with_targets(job.id, now=T0),
     }
     try:
