@@ -333,16 +333,16 @@ class GroupWriter:
         So the batch costs one round trip whatever its size, where a transaction of its
         own costs two more (BEGIN, COMMIT); the pipeline's own work is left out for a
         lone statement, where it would cost more than the statement's client side.
-        A statement the server refuses returns None:
-        nothing was written, and the caller runs the batch again one statement at a time
-        to find the outcome at fault. A lost connection (the Sync's reply lost included)
-        raises, as a lost COMMIT does.
+
+        A statement the server refuses returns None: nothing was written, and the caller
+        runs the batch again one statement at a time to find the outcome at fault. A lost
+        connection (the Sync's reply lost included) raises, as a lost COMMIT does.
         """
         dbapi: Any = conn.connection.driver_connection
         sql = self._job.sql
         cursors = []
-        dbapi.autocommit = True
         try:
+            dbapi.autocommit = True  # a local switch: no round trip
             with dbapi.pipeline() if len(pending) > 1 else contextlib.nullcontext():
                 for outcome in pending:
                     cursor = dbapi.cursor()
@@ -351,14 +351,21 @@ class GroupWriter:
             rows = [cursor.fetchone() for cursor in cursors]
         except Exception as exc:
             err = _as_sqlalchemy(conn, exc, sql, None)
-            if not isinstance(err, sa_exc.DBAPIError) or err.connection_invalidated:
+            if err is exc:
+                raise  # not the driver's: the caller's handler for anything else
+            if isinstance(err, sa_exc.DBAPIError) and err.connection_invalidated:
                 raise err from exc
-            return None
+            return None  # refused by the server: nothing of the batch was kept
         finally:
             for cursor in cursors:
-                cursor.close()
-            with contextlib.suppress(Exception):
+                with contextlib.suppress(Exception):
+                    cursor.close()
+            try:
                 dbapi.autocommit = False
+            except Exception as exc:
+                # Left in autocommit, the next batch's own transaction would not be one.
+                with contextlib.suppress(Exception):
+                    conn.invalidate(exc)
         return [self._answer(row) for row in rows]
 
     def _one_by_one(self, conn: Connection, pending: list[_Outcome]) -> list[WriteOutcome]:

@@ -213,3 +213,20 @@ def clock() -> Clock:
 
 # The network jail: any connect beyond 127.0.0.0/8 and ::1 fails the test (and its children).
 from _netjail import netjail, netjail_check  # noqa: E402, F401
+
+
+def lock_waiters(db: dcache.DB) -> int:
+    """How many transactions on this database wait for a row lock right now."""
+    if db.dialect == "postgresql":
+        q = (
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )
+    else:
+        q = (
+            "SELECT count(*) FROM information_schema.innodb_trx t"
+            " JOIN information_schema.processlist p ON p.id = t.trx_mysql_thread_id"
+            " WHERE t.trx_state = 'LOCK WAIT' AND p.db = DATABASE()"
+        )
+    with db.engine.connect() as conn:
+        return int(conn.exec_driver_sql(q).scalar_one())

@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 import pytest
 from _proxy import Proxy, proxied
-from conftest import backend_url, wipe
+from conftest import backend_url, lock_waiters, wipe
 
 import batch
 import dcache
@@ -123,6 +123,65 @@ def test_a_held_writer_statement_with_no_answer_fails_in_time_and_the_next_write
         out = writer.write_target(job.id, 1, status="done", result="r1", ttl=TTL)
         assert (out.stored, out.status) == (True, "done")
     assert target_statuses(silent.direct, job.id) == ["done", "done"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("silent", ["postgresql"], indirect=True)
+def test_a_batch_with_no_answer_fails_every_outcome_in_time_and_writes_none(
+    silent: Silent,
+) -> None:
+    """Group commit on PostgreSQL: the batch the writer pipelines in one round trip while
+    the server is silent fails as a whole, every outcome in it told StoreUnavailableError
+    within the deadline, none of it written; each write then stores on retry. The first
+    writer is held on a row lock until the others queue behind it, so they form one
+    batch. (Elsewhere a batch is a transaction of its own: its silent COMMIT is above.)"""
+    first, *rest = [submit(silent.db, n=1, caller=f"c{i}") for i in range(4)]
+    errors: dict[str, BaseException] = {}
+    took: dict[str, float] = {}
+
+    def write(job: dcache.JobRow) -> None:
+        t0 = time.monotonic()
+        try:
+            silent.db.write_target(job.id, 0, status="done", result="r", ttl=TTL)
+        except dcache.StoreError as exc:
+            errors[job.id] = exc
+            took[job.id] = time.monotonic() - t0
+
+    lock = "SELECT id FROM batch_job WHERE id = :id FOR UPDATE"
+    with silent.direct.engine.connect() as blocker:
+        blocker.begin()
+        blocker.exec_driver_sql(lock.replace(":id", "%(id)s"), {"id": first.id})
+        leader = threading.Thread(target=write, args=(first,))
+        leader.start()
+        others = [threading.Thread(target=write, args=(j,)) for j in rest]
+        for t in others:
+            t.start()
+        deadline = time.monotonic() + 10
+        while len(silent.db._group._queued) < len(rest) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(silent.db._group._queued) == len(rest)
+        while lock_waiters(silent.direct) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the leader's statement waits at the server
+        assert lock_waiters(silent.direct) == 1
+        # The batch after the leader's statement goes silent.
+        went_by = silent.proxy.stall_on(b"WITH changed AS")
+        blocker.rollback()
+        leader.join(WAIT)
+    for t in others:
+        t.join(WAIT)
+        assert not t.is_alive()
+    assert first.id not in errors
+    assert set(errors) == {j.id for j in rest}
+    assert all(isinstance(e, dcache.StoreUnavailableError) for e in errors.values()), errors
+    assert all(t < IO_TIMEOUT + LATE for t in took.values()), took
+    assert went_by.is_set()
+    silent.proxy.sever()  # what the proxy held never reaches the server
+    silent.proxy.restore()
+    assert target_statuses(silent.direct, first.id) == ["done"]
+    for job in rest:
+        assert target_statuses(silent.direct, job.id) == ["pending"]
+        assert silent.db.write_target(job.id, 0, status="done", result="r", ttl=TTL).stored
+        assert target_statuses(silent.direct, job.id) == ["done"]
 
 
 @pytest.mark.slow

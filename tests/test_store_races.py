@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import _store_procs as procs
 import attrs
 import pytest
+from conftest import lock_waiters
 from sqlalchemy import event, text
 
 import dcache
@@ -240,23 +241,6 @@ def test_the_postgresql_write_locks_the_target_before_the_job(db: DB) -> None:
     assert at["One-Time Filter"] < at[r"Scan (using batch_job_pkey )?on batch_job"], plan
 
 
-def _lock_waiters(db: DB) -> int:
-    """How many transactions on this database wait for a row lock right now."""
-    if db.dialect == "postgresql":
-        q = (
-            "SELECT count(*) FROM pg_stat_activity"
-            " WHERE datname = current_database() AND wait_event_type = 'Lock'"
-        )
-    else:
-        q = (
-            "SELECT count(*) FROM information_schema.innodb_trx t"
-            " JOIN information_schema.processlist p ON p.id = t.trx_mysql_thread_id"
-            " WHERE t.trx_state = 'LOCK WAIT' AND p.db = DATABASE()"
-        )
-    with db.engine.connect() as conn:
-        return int(conn.exec_driver_sql(q).scalar_one())
-
-
 def test_purge_does_not_deadlock_with_a_late_write_to_a_lapsed_job(db: DB, backend: str) -> None:
     """A cancelled job's in-flight target may be stored after its lease lapsed, while a purge
     deletes the job: both must complete (lock order job row before target rows), no deadlock.
@@ -285,7 +269,7 @@ def test_purge_does_not_deadlock_with_a_late_write_to_a_lapsed_job(db: DB, backe
         # Poll no faster than every 0.2 s: InnoDB refreshes INNODB_TRX only when it was
         # not read for 0.1 s, so a tight loop would read a stale table forever.
         deadline = time.monotonic() + 10
-        while _lock_waiters(db) == 0 and time.monotonic() < deadline:
+        while lock_waiters(db) == 0 and time.monotonic() < deadline:
             if purger_done.wait(0.2):
                 break
 
