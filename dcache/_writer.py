@@ -2,14 +2,14 @@
 
 A drain hands its target's outcome to :meth:`GroupWriter.write` and waits for the answer
 before it starts the next target (the seed's rule: target ``i+1`` starts only after ``i``
-is stored). Whichever waiting thread gets the writer's lock first becomes the *leader*:
-it takes every outcome queued at that moment, its own included, and commits them in ONE
+is stored). A waiting thread that finds no commit running becomes the *leader*: it
+takes every outcome queued at that moment, its own included, and commits them in ONE
 transaction on the store's one write connection, each still a compare-and-set with its
-lease bump, counters and terminal status; then it hands each outcome its own answer. The
-others find their answer ready when the lock comes to them. A lone drain is its own
-leader (no thread hand-off); many drains share a commit (one WAL flush for many
-targets), and no drain holds a connection while it fetches, so connections per process
-do not grow with live jobs.
+lease bump, counters and terminal status; then it hands each outcome its own answer and
+wakes the waiters (those it answered return; one of the rest leads the next batch, with
+what queued meanwhile). A lone drain is its own leader (no thread hand-off); many drains
+share a commit (one WAL flush for many targets), and no drain holds a connection while
+it fetches, so connections per process do not grow with live jobs.
 
 On PostgreSQL an outcome is one statement, and a batch one round trip: the statements
 are pipelined in autocommit, one implicit transaction up to the Sync that ends them
