@@ -18,7 +18,7 @@ from typing import Any
 
 import attrs
 import pytest
-from conftest import backend_url, open_backend
+from conftest import backend_url, lock_waiters, open_backend
 from sqlalchemy import event, select, text, update
 from sqlalchemy import exc as sa_exc
 from sqlalchemy import inspect as sa_inspect
@@ -895,7 +895,9 @@ def test_postgresql_commits_a_batch_in_one_exchange_with_the_server(
 ) -> None:
     """Nobody watching statements, each outcome is one statement and a batch of them one
     implicit transaction: the wire carries no BEGIN and no COMMIT, and the server answers
-    once per commit (one ReadyForQuery), whatever the batch's size."""
+    once per commit (one ReadyForQuery), whatever the batch's size. The first drain's
+    first write is held on a row lock until the other three have queued behind it, so
+    (through PgBouncer too) at least one batch of several is pipelined."""
     import psycopg
 
     store = DB.open(backend_url(backend, tmp_path), pool_size=1, max_overflow=0)
@@ -907,21 +909,36 @@ def test_postgresql_commits_a_batch_in_one_exchange_with_the_server(
         raw = conn.connection.driver_connection
         trace = tmp_path / "writes.trace"
         commits_before = store._group.commits
-        barrier = threading.Barrier(len(jobs_))
+        lock = "SELECT id FROM batch_job WHERE id = %(id)s FOR UPDATE"
 
         def drain(job: JobRow) -> None:
-            barrier.wait(10)
             for i in range(1 if job is jobs_[0] else 0, 4):
                 out = store.write_target(job.id, i, status="done", result="r", ttl=TTL, now=T0)
                 assert out.stored
 
-        with trace.open("w") as out:
+        with trace.open("w") as out, db.engine.connect() as blocker:
             raw.pgconn.trace(out.fileno())
             raw.pgconn.set_trace_flags(
                 psycopg.pq.Trace.SUPPRESS_TIMESTAMPS | psycopg.pq.Trace.REGRESS_MODE
             )
             try:
-                on_threads(drain, jobs_)
+                blocker.begin()
+                blocker.exec_driver_sql(lock, {"id": jobs_[0].id})
+                first = threading.Thread(target=drain, args=(jobs_[0],))
+                first.start()
+                deadline = time.monotonic() + 10
+                while lock_waiters(db) == 0 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                others = [threading.Thread(target=drain, args=(j,)) for j in jobs_[1:]]
+                for t in others:
+                    t.start()
+                while len(store._group._queued) < len(others) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert len(store._group._queued) == len(others)
+                blocker.rollback()
+                for t in [first, *others]:
+                    t.join(30)
+                    assert not t.is_alive()
             finally:
                 raw.pgconn.untrace()
         commits = store._group.commits - commits_before
@@ -936,7 +953,7 @@ def test_postgresql_commits_a_batch_in_one_exchange_with_the_server(
         prepares = [f for f in sent if f[0] == "F" and f[2] == "Parse" and '"_pg3_' in f[3]]
         assert len(executes) == 15  # every outcome, one statement each
         assert len(ready) == commits + len(prepares), sent
-        assert commits <= 15
+        assert commits < 15  # the three queued behind the lock went in one batch at least
         for job in jobs_:
             assert job_of(store, job.id).status == "done"
     finally:
