@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -230,3 +232,34 @@ def lock_waiters(db: dcache.DB) -> int:
         )
     with db.engine.connect() as conn:
         return int(conn.exec_driver_sql(q).scalar_one())
+
+
+def queue_behind_a_lock(
+    store: dcache.DB,
+    first: threading.Thread,
+    rest: list[threading.Thread],
+    at_server: dcache.DB | None = None,
+) -> None:
+    """Form one write batch for certain: start ``first`` (a write whose job's row another
+    connection holds locked) and wait until it leads ``store``'s writer (its batch taken,
+    its commit under way), then start ``rest`` and wait until their outcomes are all
+    queued behind it. With ``at_server`` (a store to ask with), also wait until the server
+    shows the first write waiting for the lock: its statement has gone by.
+
+    Releasing the lock is the caller's, after this returns.
+    """
+    group = store._group
+    first.start()
+    deadline = time.monotonic() + 10
+    while not (group._leading and not group._queued) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert group._leading, "the first write never started its commit"
+    if at_server is not None:
+        while lock_waiters(at_server) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lock_waiters(at_server) == 1, "the first write never waited for the lock"
+    for t in rest:
+        t.start()
+    while len(group._queued) < len(rest) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(group._queued) == len(rest)

@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 import pytest
 from _proxy import Proxy, proxied
-from conftest import backend_url, lock_waiters, wipe
+from conftest import backend_url, queue_behind_a_lock, wipe
 
 import batch
 import dcache
@@ -152,17 +152,8 @@ def test_a_batch_with_no_answer_fails_every_outcome_in_time_and_writes_none(
         blocker.begin()
         blocker.exec_driver_sql(lock.replace(":id", "%(id)s"), {"id": first.id})
         leader = threading.Thread(target=write, args=(first,))
-        leader.start()
         others = [threading.Thread(target=write, args=(j,)) for j in rest]
-        for t in others:
-            t.start()
-        deadline = time.monotonic() + 10
-        while len(silent.db._group._queued) < len(rest) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert len(silent.db._group._queued) == len(rest)
-        while lock_waiters(silent.direct) == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)  # the leader's statement waits at the server
-        assert lock_waiters(silent.direct) == 1
+        queue_behind_a_lock(silent.db, leader, others, at_server=silent.direct)
         # The batch after the leader's statement goes silent.
         went_by = silent.proxy.stall_on(b"WITH changed AS")
         blocker.rollback()

@@ -10,7 +10,6 @@ import datetime as dt
 import hashlib
 import sqlite3
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 
 import attrs
 import pytest
-from conftest import backend_url, lock_waiters, open_backend
+from conftest import backend_url, open_backend, queue_behind_a_lock
 from sqlalchemy import event, select, text, update
 from sqlalchemy import exc as sa_exc
 from sqlalchemy import inspect as sa_inspect
@@ -861,17 +860,14 @@ def test_a_batch_with_an_outcome_the_server_refuses_commits_the_others(db: DB) -
             )
         commits_before = db._group.commits
         leader = threading.Thread(target=write, args=(first, "fine"))
-        leader.start()
         threads = [threading.Thread(target=write, args=(j, "fine")) for j in good]
         threads.append(threading.Thread(target=write, args=(bad, "refuse me")))
-        for t in threads:
-            t.start()
         if blocker is not None:
-            deadline = time.monotonic() + 10
-            while len(db._group._queued) < len(threads) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert len(db._group._queued) == len(threads)
+            queue_behind_a_lock(db, leader, threads)
             blocker.rollback()
+        else:
+            for t in [leader, *threads]:
+                t.start()
         for t in [leader, *threads]:
             t.join(30)
             assert not t.is_alive()
@@ -925,16 +921,8 @@ def test_postgresql_commits_a_batch_in_one_exchange_with_the_server(
                 blocker.begin()
                 blocker.exec_driver_sql(lock, {"id": jobs_[0].id})
                 first = threading.Thread(target=drain, args=(jobs_[0],))
-                first.start()
-                deadline = time.monotonic() + 10
-                while lock_waiters(db) == 0 and time.monotonic() < deadline:
-                    time.sleep(0.01)
                 others = [threading.Thread(target=drain, args=(j,)) for j in jobs_[1:]]
-                for t in others:
-                    t.start()
-                while len(store._group._queued) < len(others) and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                assert len(store._group._queued) == len(others)
+                queue_behind_a_lock(store, first, others)
                 blocker.rollback()
                 for t in [first, *others]:
                     t.join(30)
