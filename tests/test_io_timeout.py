@@ -147,10 +147,10 @@ def test_a_batch_with_no_answer_fails_every_outcome_in_time_and_writes_none(
             errors[job.id] = exc
             took[job.id] = time.monotonic() - t0
 
-    lock = "SELECT id FROM batch_job WHERE id = :id FOR UPDATE"
+    lock = "SELECT id FROM batch_job WHERE id = %(id)s FOR UPDATE"
     with silent.direct.engine.connect() as blocker:
         blocker.begin()
-        blocker.exec_driver_sql(lock.replace(":id", "%(id)s"), {"id": first.id})
+        blocker.exec_driver_sql(lock, {"id": first.id})
         leader = threading.Thread(target=write, args=(first,))
         others = [threading.Thread(target=write, args=(j,)) for j in rest]
         queue_behind_a_lock(silent.db, leader, others, at_server=silent.direct)
