@@ -7,6 +7,7 @@ locally, and a failure when ``CI`` or ``DCACHE_REQUIRE_SERVERS`` is set.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import os
 import threading
@@ -238,19 +239,32 @@ def lock_waiters(db: dcache.DB) -> int:
         return int(conn.exec_driver_sql(q).scalar_one())
 
 
+@contextlib.contextmanager
+def job_row_locked(db: dcache.DB, job_id: str) -> Iterator[None]:
+    """Inside the block another connection holds the job's row locked (``FOR UPDATE``):
+    a write to one of its targets waits at the server until the block ends."""
+    with db.engine.connect() as blocker:
+        blocker.begin()
+        blocker.execute(text("SELECT id FROM batch_job WHERE id = :id FOR UPDATE"), {"id": job_id})
+        try:
+            yield
+        finally:
+            blocker.rollback()
+
+
 def queue_behind_a_lock(
     store: dcache.DB,
     first: threading.Thread,
     rest: list[threading.Thread],
     at_server: dcache.DB | None = None,
 ) -> None:
-    """Form one write batch for certain: start ``first`` (a write whose job's row another
-    connection holds locked) and wait until it leads ``store``'s writer (its batch taken,
+    """Form one write batch for certain: start ``first`` (a write whose job's row is held
+    by :func:`job_row_locked`) and wait until it leads ``store``'s writer (its batch taken,
     its commit under way), then start ``rest`` and wait until their outcomes are all
     queued behind it. With ``at_server`` (a store to ask with), also wait until the server
     shows the first write waiting for the lock: its statement has gone by.
 
-    Releasing the lock is the caller's, after this returns.
+    The batch forms when the lock is released, after this returns.
     """
     group = store._group
     first.start()

@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 import pytest
 from _proxy import Proxy, proxied
-from conftest import backend_url, queue_behind_a_lock, wipe
+from conftest import backend_url, job_row_locked, queue_behind_a_lock, wipe
 
 import batch
 import dcache
@@ -147,17 +147,13 @@ def test_a_batch_with_no_answer_fails_every_outcome_in_time_and_writes_none(
             errors[job.id] = exc
             took[job.id] = time.monotonic() - t0
 
-    lock = "SELECT id FROM batch_job WHERE id = %(id)s FOR UPDATE"
-    with silent.direct.engine.connect() as blocker:
-        blocker.begin()
-        blocker.exec_driver_sql(lock, {"id": first.id})
-        leader = threading.Thread(target=write, args=(first,))
-        others = [threading.Thread(target=write, args=(j,)) for j in rest]
+    leader = threading.Thread(target=write, args=(first,))
+    others = [threading.Thread(target=write, args=(j,)) for j in rest]
+    with job_row_locked(silent.direct, first.id):
         queue_behind_a_lock(silent.db, leader, others, at_server=silent.direct)
         # The batch after the leader's statement goes silent.
         went_by = silent.proxy.stall_on(b"WITH changed AS")
-        blocker.rollback()
-        leader.join(WAIT)
+    leader.join(WAIT)
     for t in others:
         t.join(WAIT)
         assert not t.is_alive()

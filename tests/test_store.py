@@ -17,7 +17,7 @@ from typing import Any
 
 import attrs
 import pytest
-from conftest import backend_url, open_backend, queue_behind_a_lock
+from conftest import backend_url, job_row_locked, open_backend, queue_behind_a_lock
 from sqlalchemy import event, select, text, update
 from sqlalchemy import exc as sa_exc
 from sqlalchemy import inspect as sa_inspect
@@ -81,6 +81,11 @@ def on_threads(fn: Any, items: list[Any]) -> None:
     threads = [threading.Thread(target=fn, args=(item,)) for item in items]
     for t in threads:
         t.start()
+    join_all(threads)
+
+
+def join_all(threads: list[threading.Thread]) -> None:
+    """Every thread must end within 30 s."""
     for t in threads:
         t.join(30)
         assert not t.is_alive()
@@ -851,29 +856,19 @@ def test_a_batch_with_an_outcome_the_server_refuses_commits_the_others(db: DB) -
             errors[job.id] = exc
 
     held = db.dialect != "sqlite"
-    blocker = db.engine.connect() if held else None
     try:
-        if blocker is not None:
-            blocker.begin()
-            blocker.execute(
-                text("SELECT id FROM batch_job WHERE id = :id FOR UPDATE"), {"id": first.id}
-            )
         commits_before = db._group.commits
         leader = threading.Thread(target=write, args=(first, "fine"))
         threads = [threading.Thread(target=write, args=(j, "fine")) for j in good]
         threads.append(threading.Thread(target=write, args=(bad, "refuse me")))
-        if blocker is not None:
-            queue_behind_a_lock(db, leader, threads)
-            blocker.rollback()
+        if held:
+            with job_row_locked(db, first.id):
+                queue_behind_a_lock(db, leader, threads)
         else:
             for t in [leader, *threads]:
                 t.start()
-        for t in [leader, *threads]:
-            t.join(30)
-            assert not t.is_alive()
+        join_all([leader, *threads])
     finally:
-        if blocker is not None:
-            blocker.close()
         undo()
     assert set(errors) == {bad.id}
     assert not isinstance(errors[bad.id], dcache.StoreUnavailableError)
@@ -905,28 +900,23 @@ def test_postgresql_commits_a_batch_in_one_exchange_with_the_server(
         raw = conn.connection.driver_connection
         trace = tmp_path / "writes.trace"
         commits_before = store._group.commits
-        lock = "SELECT id FROM batch_job WHERE id = %(id)s FOR UPDATE"
 
         def drain(job: JobRow) -> None:
             for i in range(1 if job is jobs_[0] else 0, 4):
                 out = store.write_target(job.id, i, status="done", result="r", ttl=TTL, now=T0)
                 assert out.stored
 
-        with trace.open("w") as out, db.engine.connect() as blocker:
+        with trace.open("w") as out:
             raw.pgconn.trace(out.fileno())
             raw.pgconn.set_trace_flags(
                 psycopg.pq.Trace.SUPPRESS_TIMESTAMPS | psycopg.pq.Trace.REGRESS_MODE
             )
             try:
-                blocker.begin()
-                blocker.exec_driver_sql(lock, {"id": jobs_[0].id})
                 first = threading.Thread(target=drain, args=(jobs_[0],))
                 others = [threading.Thread(target=drain, args=(j,)) for j in jobs_[1:]]
-                queue_behind_a_lock(store, first, others)
-                blocker.rollback()
-                for t in [first, *others]:
-                    t.join(30)
-                    assert not t.is_alive()
+                with job_row_locked(db, jobs_[0].id):
+                    queue_behind_a_lock(store, first, others)
+                join_all([first, *others])
             finally:
                 raw.pgconn.untrace()
         commits = store._group.commits - commits_before
