@@ -42,7 +42,12 @@ class JobReads:
         def _one_statement(self) -> Connection: ...
 
         def _prepared_read(
-            self, read: Prepared, values: dict[str, Any], fetch: Callable[[Any], R]
+            self,
+            read: Prepared,
+            values: dict[str, Any],
+            fetch: Callable[[Any], R],
+            *,
+            short: bool = False,
         ) -> R: ...
 
         _status_brief: Prepared

@@ -55,6 +55,47 @@ def every(cursor: Any) -> list[Any]:
     return list(cursor.fetchall())
 
 
+_HELD = "dcache.held_cursor"
+
+
+def short_cursor(pooled: Any) -> tuple[Any, bool]:
+    """A DBAPI cursor for a statement whose rows are few and small, and whether it is
+    held (then it is not closed after use).
+
+    psycopg: one cursor kept with the pooled connection, in its ``info`` (which lasts as
+    long as the driver connection and is cleared when that is invalidated). Making a
+    psycopg cursor costs about a quarter of a keyed read on loopback; a held one keeps its
+    last rows until its next statement, hence few and small rows only. Other drivers: a
+    new cursor each time (on sqlite3 a held cursor could keep a statement, and with it a
+    read snapshot, open).
+    """
+    info = pooled.info
+    cursor = info.get(_HELD)
+    if cursor is not None and not cursor.closed:
+        return cursor, True
+    dbapi: Any = pooled.driver_connection
+    cursor = dbapi.cursor()
+    if _driver_module(dbapi) == "psycopg":
+        info[_HELD] = cursor
+        return cursor, True
+    return cursor, False
+
+
+def _driver_module(dbapi: Any) -> str:
+    return type(dbapi).__module__.partition(".")[0]
+
+
+def release_cursor(pooled: Any, cursor: Any, held: bool, failed: bool) -> None:
+    """After a statement on a :func:`short_cursor`: close it unless it is held; after a
+    failure, a held one too (the next statement gets a new one)."""
+    if held and not failed:
+        return
+    if held:
+        pooled.info.pop(_HELD, None)
+    with contextlib.suppress(Exception):
+        cursor.close()
+
+
 def driver_read(
     engine: Engine,
     read: Prepared,
@@ -62,6 +103,7 @@ def driver_read(
     *,
     autocommit: bool,
     fetch: Callable[[Any], R],
+    short: bool = False,
 ) -> R:
     """``fetch(cursor)`` after ``read`` ran on a pooled DBAPI connection, when nobody
     watches statements.
@@ -72,25 +114,27 @@ def driver_read(
     pool (pre-ping, reset on return) and the error translation (a disconnect invalidates)
     are the same as through the engine (see ``dcache._writer``). ``autocommit`` runs it
     outside a transaction on the driver (psycopg: no BEGIN, no ROLLBACK; a local switch,
-    no round trip), put back before the connection returns to the pool.
+    no round trip), put back before the connection returns to the pool. ``short`` (a
+    read of one small row) runs it on the connection's :func:`short_cursor`.
     """
     from ._writer import driver_error
 
     pooled = engine.raw_connection()
     dbapi: Any = pooled.driver_connection
     cursor = None
+    held = failed = False
     try:
         if autocommit:
             dbapi.autocommit = True
-        cursor = dbapi.cursor()
+        cursor, held = short_cursor(pooled) if short else (dbapi.cursor(), False)
         cursor.execute(read.sql, read.params(values))
         return fetch(cursor)
     except Exception as exc:
+        failed = True
         raise driver_error(engine, pooled, exc, read.sql, cursor) from exc
     finally:
         if cursor is not None:
-            with contextlib.suppress(Exception):
-                cursor.close()
+            release_cursor(pooled, cursor, held, failed)
         if autocommit and pooled.is_valid:
             try:
                 dbapi.autocommit = False
@@ -200,7 +244,12 @@ class WebReads:
         def _cancel(conn: Connection, job_id: str, ttl: dt.timedelta, now: dt.datetime) -> bool: ...
 
     def _prepared_read(
-        self, read: Prepared, values: dict[str, Any], fetch: Callable[[Any], R]
+        self,
+        read: Prepared,
+        values: dict[str, Any],
+        fetch: Callable[[Any], R],
+        *,
+        short: bool = False,
     ) -> R:
         """``fetch`` after a read of one prepared statement: on the pooled driver
         connection when nobody watches statements (:func:`driver_read`; PostgreSQL in
@@ -209,7 +258,9 @@ class WebReads:
             with self._one_statement() as conn:
                 return fetch(conn.exec_driver_sql(read.sql, read.params(values)))
         autocommit = self.dialect == "postgresql"
-        return driver_read(self._engine, read, values, autocommit=autocommit, fetch=fetch)
+        return driver_read(
+            self._engine, read, values, autocommit=autocommit, fetch=fetch, short=short
+        )
 
     @wrap_errors
     def poll_job(self, job_id: str, now: dt.datetime | None = None) -> JobRow | None:
@@ -229,7 +280,7 @@ class WebReads:
             )
             read = Prepared(q, self._engine.dialect, [c.type for c in JOB_COLS])
             self.__dict__["_poll_read"] = read
-        row = self._prepared_read(read, {"job_id": job_id, "now": now}, first)
+        row = self._prepared_read(read, {"job_id": job_id, "now": now}, first, short=True)
         return job_from(read.convert(row)) if row is not None else None
 
     @wrap_errors

@@ -6,7 +6,6 @@ idempotency lookup, both caps, and the insert of the job and its targets.
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -18,7 +17,7 @@ from sqlalchemy.engine import Dialect
 
 from ._errors import StoreError, wrap_errors
 from ._prepared import Prepared
-from ._reads import watched
+from ._reads import release_cursor, short_cursor, watched
 from ._rows import JobRow, NewTarget, SubmitOutcome
 from ._schema import GLOBAL_LOCK, Status, UTCDateTime, jobs, locks, targets
 from ._shared import JOB_COLS, LIVE_IN, aware_now, findable, job_from, job_row, visible
@@ -107,15 +106,16 @@ class _Run:
         self._on_cursor(statement, lambda cursor: cursor.executemany(statement.sql, params))
 
     def _on_cursor(self, statement: Prepared, work: Callable[[Any], R]) -> R:
-        dbapi: Any = self.conn.connection.driver_connection
-        cursor = dbapi.cursor()
+        pooled = self.conn.connection
+        cursor, held = short_cursor(pooled)  # the submit's rows are few and small
+        failed = False
         try:
             return work(cursor)
         except Exception as exc:
+            failed = True
             raise _as_sqlalchemy(self.conn, exc, statement.sql, cursor) from exc
         finally:
-            with contextlib.suppress(Exception):
-                cursor.close()
+            release_cursor(pooled, cursor, held, failed)
 
 
 class SubmitQueries:

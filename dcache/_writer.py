@@ -52,7 +52,7 @@ from . import _sql
 from ._errors import StoreError, translate
 from ._outbox import message_id, notify_statement
 from ._prepared import Prepared
-from ._reads import watched
+from ._reads import release_cursor, short_cursor, watched
 from ._rows import WriteOutcome
 from ._schema import LIVE, UTCDateTime, jobs, targets
 from ._shared import utf8_size
@@ -338,18 +338,26 @@ class GroupWriter:
         runs the batch again one statement at a time to find the outcome at fault. A lost
         connection (the Sync's reply lost included) raises, as a lost COMMIT does.
         """
-        dbapi: Any = conn.connection.driver_connection
+        pooled = conn.connection
+        dbapi: Any = pooled.driver_connection
         sql = self._job.sql
         cursors = []
+        held = failed = False
         try:
             dbapi.autocommit = True  # a local switch: no round trip
-            with dbapi.pipeline() if len(pending) > 1 else contextlib.nullcontext():
-                for outcome in pending:
-                    cursor = dbapi.cursor()
-                    cursors.append(cursor)
-                    cursor.execute(sql, self._job.params(outcome.values))
+            if len(pending) == 1:
+                cursor, held = short_cursor(pooled)
+                cursors.append(cursor)
+                cursor.execute(sql, self._job.params(pending[0].values))
+            else:
+                with dbapi.pipeline():
+                    for outcome in pending:
+                        cursor = dbapi.cursor()  # each keeps its own statement's row
+                        cursors.append(cursor)
+                        cursor.execute(sql, self._job.params(outcome.values))
             rows = [cursor.fetchone() for cursor in cursors]
         except Exception as exc:
+            failed = True
             err = _as_sqlalchemy(conn, exc, sql, None)
             if err is exc:
                 raise  # not the driver's: the caller's handler for anything else
@@ -358,8 +366,7 @@ class GroupWriter:
             return None  # refused by the server: nothing of the batch was kept
         finally:
             for cursor in cursors:
-                with contextlib.suppress(Exception):
-                    cursor.close()
+                release_cursor(pooled, cursor, held, failed)
             try:
                 dbapi.autocommit = False
             except Exception as exc:
