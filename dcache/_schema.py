@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import enum
 import re
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import (
@@ -124,6 +125,38 @@ class UTCDateTime(TypeDecorator[dt.datetime]):
             return None
         assert isinstance(value, dt.datetime)
         return value.replace(tzinfo=dt.timezone.utc)
+
+    def bind_processor(self, dialect: Dialect) -> Callable[[Any], Any] | None:
+        """The conversion above, then the dialect's own; on SQLite, for the store's own
+        values (aware, in ``datetime.timezone.utc``), both in one step.
+
+        SQLite stores text, and the two steps (a naive copy, then SQLAlchemy's format
+        with seven fields) cost 2.4 µs a value, on a write that binds two; ``isoformat``
+        writes the same text in 1.1 µs. It is used only where a probe value gives the
+        same text both ways (SQLAlchemy's default storage format); any other value, and
+        any other dialect, goes through the two steps.
+        """
+        reference = super().bind_processor(dialect)
+        if dialect.name != "sqlite" or reference is None:
+            return reference
+        if reference(_PROBE) != _sqlite_text(_PROBE):
+            return reference
+        utc = dt.timezone.utc
+
+        def process(value: Any) -> Any:
+            if value is not None and value.__class__ is dt.datetime and value.tzinfo is utc:
+                return _sqlite_text(value)
+            return reference(value)
+
+        return process
+
+
+_PROBE = dt.datetime(2001, 2, 3, 4, 5, 6, 7, tzinfo=dt.timezone.utc)
+
+
+def _sqlite_text(value: dt.datetime) -> str:
+    """An aware UTC datetime as SQLite's DATETIME text: ``YYYY-MM-DD HH:MM:SS.ffffff``."""
+    return value.isoformat(" ", "microseconds")[:26]  # less the "+00:00"
 
 
 class LongText(TypeDecorator[str]):

@@ -6,6 +6,7 @@ Races between threads and processes live in ``test_store_races.py``.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import sqlite3
@@ -638,6 +639,43 @@ def test_a_poll_and_a_status_read_are_one_exchange_with_the_server(
         with store.engine.begin() as conn:
             conn.exec_driver_sql("SELECT 1")
             assert raw.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "pgbouncer"])
+def test_psycopg_keeps_one_cursor_per_connection_and_loses_it_with_the_connection(
+    db: DB, backend: str, tmp_path: Path
+) -> None:
+    """Polls and submits (few, small rows) reuse one cursor per pooled psycopg connection:
+    making one costs about a quarter of a keyed read on loopback. A connection the server
+    drops takes its cursor with it; the next read works, on a new connection and cursor."""
+    from dcache._reads import _HELD
+
+    job = created(db, n=2)
+    store = DB.open(backend_url(backend, tmp_path), pool_size=1, max_overflow=0)
+
+    def held() -> Any:
+        with store.engine.connect() as conn:  # the pool's only connection
+            return conn.connection.info.get(_HELD), conn.connection.driver_connection
+
+    try:
+        assert store.poll_job(job.id, now=T0) is not None
+        first, raw = held()
+        assert first is not None and not first.closed
+        for n in range(3):
+            assert store.poll_job(job.id, now=T0) is not None
+            created(store, caller=f"c{n}", n=3)  # the submit's statements on the same one
+        assert held() == (first, raw) and not first.closed
+        if backend == "pgbouncer":
+            return  # the server connection behind the bouncer is not the client's to cut
+        with db.engine.connect() as other:
+            other.exec_driver_sql("SELECT pg_terminate_backend(%s)", (raw.info.backend_pid,))
+        with contextlib.suppress(dcache.StoreUnavailableError):
+            store.poll_job(job.id, now=T0)  # fails, unless the pool's pre-ping ran first
+        assert store.poll_job(job.id, now=T0) is not None
+        again, new_raw = held()
+        assert new_raw is not raw and again is not None and again is not first
     finally:
         store.close()
 
@@ -1282,6 +1320,49 @@ def test_an_aware_non_utc_time_is_stored_as_the_same_instant(db: DB) -> None:
     assert stored.created_at == at
     assert stored.created_at.utcoffset() == dt.timedelta(0)
     assert stored.created_at.replace(tzinfo=None) == dt.datetime(2030, 1, 1, 0, 0, 0, 250000)
+
+
+def test_sqlite_stores_each_time_as_sqlalchemys_own_text_for_it() -> None:
+    """On SQLite the store's UTC times are written in one step (``isoformat``); the text
+    must be what SQLAlchemy's DATETIME writes for the same instant, or comparisons in SQL
+    (leases, purge) between old and new rows would go wrong. Checked against SQLAlchemy's
+    own processor over edge and random instants, other zones and subclasses included."""
+    import random
+
+    from sqlalchemy import DateTime
+    from sqlalchemy.dialects import sqlite
+
+    from dcache._schema import UTCDateTime
+
+    dialect = sqlite.dialect()
+    ours = UTCDateTime().dialect_impl(dialect).bind_processor(dialect)
+    sqlalchemys = DateTime().dialect_impl(dialect).bind_processor(dialect)
+    assert ours is not None and sqlalchemys is not None
+
+    class Sub(dt.datetime):
+        pass
+
+    rng = random.Random(12)
+    lo, hi = dt.datetime.min.replace(tzinfo=UTC), dt.datetime.max.replace(tzinfo=UTC)
+    span = (hi - lo).total_seconds()
+    instants = [
+        lo,
+        hi,
+        dt.datetime(2030, 1, 1, tzinfo=UTC),
+        dt.datetime(999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC),
+        *(lo + dt.timedelta(seconds=rng.uniform(0, span)) for _ in range(2000)),
+    ]
+    zone = dt.timezone(dt.timedelta(hours=-7, minutes=-30))
+    day = dt.timedelta(days=1)
+    for at in instants:
+        expected = sqlalchemys(at.replace(tzinfo=None))
+        assert ours(at) == expected, at
+        assert ours(Sub(*at.timetuple()[:6], at.microsecond, tzinfo=UTC)) == expected, at
+        if lo + day < at < hi - day:  # the same instant in another zone
+            assert ours(at.astimezone(zone)) == expected, at
+    assert ours(None) is None
+    with pytest.raises(ValueError):
+        ours(dt.datetime(2030, 1, 1))
 
 
 def test_a_naive_datetime_is_rejected(db: DB) -> None:
