@@ -166,10 +166,18 @@ class GroupWriter:
         # psycopg 3 with a libpq that pipelines: a batch is one round trip (_in_pipeline).
         self._pipelined = self._together and _can_pipeline(dialect)
         result_types = (jobs.c.status.type, jobs.c.finished_at.type)
-        self._target = Prepared(target, dialect)
         self._job = Prepared(job, dialect, result_types)
-        self._read = Prepared(read, dialect, result_types)
-        self._notify = Prepared(notify_statement(), dialect)
+        # The other steps of an outcome where it is not one statement: the target's
+        # compare-and-set, the job's state, and its announcement.
+        self._steps = (
+            None
+            if self._together
+            else (
+                Prepared(target, dialect),
+                Prepared(read, dialect, result_types),
+                Prepared(notify_statement(), dialect),
+            )
+        )
         # Guards _queued and _leading. The leader commits without holding it, so drains
         # queue behind a running commit, and the ones it answered wake at once (each
         # waiting on the lock the next leader holds for its whole commit would answer
@@ -415,25 +423,26 @@ class GroupWriter:
 
     def _apply(self, run: Any, values: dict[str, Any]) -> WriteOutcome:
         """One outcome's statements inside the batch's transaction."""
-        if self._together:
+        if self._steps is None:  # one statement (see _together)
             _, fetch = run(self._job, values)
             return self._answer(fetch())
-        rowcount, _ = run(self._target, values)
+        target, read, notify = self._steps
+        rowcount, _ = run(target, values)
         row = None
         if rowcount == 1:
             _, fetch = run(self._job, values)
             if not self._returning:
-                _, fetch = run(self._read, values)
+                _, fetch = run(read, values)
             row = fetch()
             assert row is not None, "a target's job row is missing"
         if row is None:  # the target was not pending: nothing written
-            _, fetch = run(self._read, values)
+            _, fetch = run(read, values)
             row = fetch()
             return WriteOutcome(False, row[0] if row is not None else "")
         if row[0] not in LIVE:
             # This write ended the job (or found it ended): its announcement, if it has a
             # URL and none is queued yet, commits with it (see dcache._outbox).
-            run(self._notify, values)
+            run(notify, values)
         return WriteOutcome(True, row[0], finished=row[1] is not None)
 
     @staticmethod
