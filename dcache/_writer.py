@@ -5,9 +5,10 @@ before it starts the next target (the seed's rule: target ``i+1`` starts only af
 is stored). A waiting thread that finds no commit running becomes the *leader*: it
 takes every outcome queued at that moment, its own included, and commits them in ONE
 transaction on the store's one write connection, each still a compare-and-set with its
-lease bump, counters and terminal status; then it hands each outcome its own answer and
-wakes the waiters (those it answered return; one of the rest leads the next batch, with
-what queued meanwhile). A lone drain is its own leader (no thread hand-off); many drains
+lease bump, counters and terminal status; then it hands each outcome its own answer,
+wakes exactly the drains it answered, and hands the lead to the first outcome queued
+meanwhile (its drain commits the next batch). A lone drain is its own leader (no thread
+hand-off); many drains
 share a commit (one WAL flush for many targets), and no drain holds a connection while
 it fetches, so connections per process do not grow with live jobs.
 
@@ -140,12 +141,19 @@ def _statements() -> tuple[Any, Any, Any]:
 class _Outcome:
     """One target's outcome waiting for its commit, and then its answer."""
 
-    __slots__ = ("answer", "error", "values")
+    __slots__ = ("answer", "error", "values", "wake")
 
     def __init__(self, values: dict[str, Any]) -> None:
         self.values = values
         self.answer: WriteOutcome | None = None
         self.error: BaseException | None = None
+        # Held until its thread is to wake: answered, or handed the lead.
+        self.wake = threading.Lock()
+        self.wake.acquire()
+
+    @property
+    def answered(self) -> bool:
+        return self.answer is not None or self.error is not None
 
 
 class GroupWriter:
@@ -178,10 +186,12 @@ class GroupWriter:
                 Prepared(notify_statement(), dialect),
             )
         )
-        # Guards _queued and _leading. The leader commits without holding it, so drains
-        # queue behind a running commit, and the ones it answered wake at once (each
-        # waiting on the lock the next leader holds for its whole commit would answer
-        # them only after that commit too).
+        # Guards _queued and _leading, and is notified when the lead ends (close waits for
+        # it). The leader commits without holding it, so drains queue behind a running
+        # commit. Each waiting drain sleeps on its own outcome's lock: the leader wakes
+        # exactly the ones it answered, and hands the lead to the first one still queued
+        # (waking every waiter at every commit cost each of them a wake-up and a turn at
+        # the GIL to find it was not theirs).
         self._cond = threading.Condition(threading.Lock())
         self._queued: list[_Outcome] = []
         self._leading = False  # a thread is committing a batch
@@ -221,24 +231,40 @@ class GroupWriter:
         cond = self._cond
         with cond:
             self._queued.append(mine)
-            while mine.answer is None and mine.error is None:
-                if self._leading:
-                    cond.wait()
-                    continue
-                self._leading = True
-                batch = self._queued[:MAX_BATCH]
-                del self._queued[:MAX_BATCH]
-                cond.release()
-                try:
-                    self._commit(batch)
-                finally:
-                    cond.acquire()
-                    self._leading = False
-                    cond.notify_all()
+            lead = not self._leading
+            self._leading = True
+        if not lead:
+            mine.wake.acquire()  # answered, or handed the lead
+        if not mine.answered:
+            # This thread leads. Its outcome is first in the queue: the queue was empty when
+            # the lead was free, and a lead is handed to the first one queued.
+            batch: list[_Outcome] = []
+            try:
+                with cond:
+                    batch = self._queued[:MAX_BATCH]
+                    del self._queued[:MAX_BATCH]
+                self._commit(batch)  # answers every outcome of the batch
+            finally:
+                self._answered(batch)
         if mine.error is not None:
             raise mine.error
         assert mine.answer is not None
         return mine.answer
+
+    def _answered(self, batch: list[_Outcome]) -> None:
+        """After the leader's commit of ``batch``: wake the drains it answered (its own
+        lock is released too, unused), and hand the lead to the first one still queued."""
+        for outcome in batch:
+            if not outcome.answered:  # an interrupt of the leader before its commit
+                outcome.error = StoreError("the write's batch was interrupted before its commit")
+            outcome.wake.release()
+        with self._cond:
+            following = self._queued[0] if self._queued else None
+            if following is None:
+                self._leading = False
+                self._cond.notify_all()
+        if following is not None:
+            following.wake.release()
 
     def close(self) -> None:
         """Give the write connection back to the pool."""
