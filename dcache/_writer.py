@@ -8,9 +8,9 @@ transaction on the store's one write connection, each still a compare-and-set wi
 lease bump, counters and terminal status; then it hands each outcome its own answer,
 wakes exactly the drains it answered, and hands the lead to the first outcome queued
 meanwhile (its drain commits the next batch). A lone drain is its own leader (no thread
-hand-off); many drains
-share a commit (one WAL flush for many targets), and no drain holds a connection while
-it fetches, so connections per process do not grow with live jobs.
+hand-off); many drains share a commit (one WAL flush for many targets), and no drain
+holds a connection while it fetches, so connections per process do not grow with live
+jobs.
 
 On PostgreSQL an outcome is one statement, and a batch one round trip: the statements
 are pipelined in autocommit, one implicit transaction up to the Sync that ends them
