@@ -11,6 +11,7 @@ import datetime as dt
 import hashlib
 import sqlite3
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -916,6 +917,64 @@ def test_a_batch_with_an_outcome_the_server_refuses_commits_the_others(db: DB) -
     assert found is not None and found[1][0].status == "pending"
     if held:  # the leader's commit, then one for the five the refusal left
         assert db._group.commits - commits_before == 2
+
+
+def test_an_interrupted_leader_answers_its_batch_and_hands_the_writer_on(db: DB) -> None:
+    """An interrupt in the thread leading a commit (a BaseException out of a statement:
+    KeyboardInterrupt, SystemExit) stops that thread, answers every other outcome of its
+    batch with a StoreError (none is left waiting), writes none of them, and leaves the
+    writer to the next write. The first leader is held in its statement until three
+    writes have queued behind it; the one that leads their batch is interrupted."""
+    jobs_ = [created(db, caller=f"c{i}", n=1) for i in range(4)]
+    hold, holding = threading.Event(), threading.Event()
+    writes: list[str] = []
+
+    def hook(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        if "UPDATE batch_target" not in statement:
+            return
+        writes.append(statement)
+        if len(writes) == 1:  # the first leader: held until the others have queued
+            holding.set()
+            hold.wait(10)
+        elif len(writes) == 2:  # the leader of their batch
+            raise KeyboardInterrupt
+
+    outs: dict[str, dcache.WriteOutcome] = {}
+    errors: dict[str, dcache.StoreError] = {}
+    interrupted: list[str] = []
+
+    def write(job: JobRow) -> None:
+        try:
+            outs[job.id] = db.write_target(job.id, 0, status="done", ttl=TTL, now=T0)
+        except dcache.StoreError as exc:
+            errors[job.id] = exc
+        except KeyboardInterrupt:
+            interrupted.append(job.id)
+
+    event.listen(db.engine, "before_cursor_execute", hook)
+    try:
+        first = threading.Thread(target=write, args=(jobs_[0],))
+        first.start()
+        assert holding.wait(10)
+        rest = [threading.Thread(target=write, args=(j,)) for j in jobs_[1:]]
+        for t in rest:
+            t.start()
+        deadline = time.monotonic() + 10
+        while len(db._group._queued) < len(rest) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(db._group._queued) == len(rest)
+        hold.set()
+        join_all([first, *rest])
+    finally:
+        hold.set()
+        event.remove(db.engine, "before_cursor_execute", hook)
+    assert outs == {jobs_[0].id: dcache.WriteOutcome(True, "done", True)}
+    assert len(interrupted) == 1
+    assert set(errors) == {j.id for j in jobs_[1:]} - set(interrupted)
+    assert not any(isinstance(e, dcache.StoreUnavailableError) for e in errors.values())
+    for job in jobs_[1:]:  # none was written, and the writer goes on
+        assert job_of(db, job.id).targets_done == 0
+        assert db.write_target(job.id, 0, status="done", ttl=TTL, now=T0).stored
 
 
 @pytest.mark.parametrize("backend", ["postgresql", "pgbouncer"])
