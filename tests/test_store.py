@@ -649,8 +649,10 @@ def test_psycopg_keeps_one_cursor_per_connection_and_loses_it_with_the_connectio
     db: DB, backend: str, tmp_path: Path
 ) -> None:
     """Polls and submits (few, small rows) reuse one cursor per pooled psycopg connection:
-    making one costs about a quarter of a keyed read on loopback. A connection the server
-    drops takes its cursor with it; the next read works, on a new connection and cursor."""
+    making one costs about a quarter of a keyed read on loopback. A status read of a large
+    result does not run on it, so the megabyte does not stay with the connection. A
+    connection the server drops takes its cursor with it; the next read works, on a new
+    connection and cursor."""
     from dcache._reads import _HELD
 
     job = created(db, n=2)
@@ -668,6 +670,15 @@ def test_psycopg_keeps_one_cursor_per_connection_and_loses_it_with_the_connectio
             assert store.poll_job(job.id, now=T0) is not None
             created(store, caller=f"c{n}", n=3)  # the submit's statements on the same one
         assert held() == (first, raw) and not first.closed
+        big = '"' + "x" * MiB + '"'
+        assert db.write_target(job.id, 0, status="done", result=big, ttl=TTL, now=T0).stored
+        found = store.get_job_with_targets(job.id, now=T0)
+        assert found is not None and found[1][0].result == big
+        assert held() == (first, raw)
+        kept = first.pgresult  # what the held cursor still holds: the last short statement's
+        assert kept is None or kept.ntuples <= 1
+        if kept is not None and kept.ntuples:
+            assert all(len(kept.get_value(0, c) or b"") < 1024 for c in range(kept.nfields))
         if backend == "pgbouncer":
             return  # the server connection behind the bouncer is not the client's to cut
         with db.engine.connect() as other:
