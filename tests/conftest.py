@@ -278,6 +278,14 @@ def queue_behind_a_lock(
         assert lock_waiters(at_server) == 1, "the first write never waited for the lock"
     for t in rest:
         t.start()
-    while len(group._queued) < len(rest) and time.monotonic() < deadline:
+    wait_queued(store, len(rest))
+
+
+def wait_queued(store: dcache.DB, n: int) -> None:
+    """Wait (10 s at most) until ``n`` outcomes are queued behind ``store``'s writer's
+    running commit."""
+    group = store._group
+    deadline = time.monotonic() + 10
+    while len(group._queued) < n and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert len(group._queued) == len(rest)
+    assert len(group._queued) == n

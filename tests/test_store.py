@@ -11,7 +11,6 @@ import datetime as dt
 import hashlib
 import sqlite3
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,13 @@ from typing import Any
 
 import attrs
 import pytest
-from conftest import backend_url, job_row_locked, open_backend, queue_behind_a_lock
+from conftest import (
+    backend_url,
+    job_row_locked,
+    open_backend,
+    queue_behind_a_lock,
+    wait_queued,
+)
 from sqlalchemy import event, select, text, update
 from sqlalchemy import exc as sa_exc
 from sqlalchemy import inspect as sa_inspect
@@ -970,10 +975,7 @@ def test_an_interrupted_leader_answers_its_batch_and_hands_the_writer_on(db: DB)
         rest = [threading.Thread(target=write, args=(j,)) for j in jobs_[1:]]
         for t in rest:
             t.start()
-        deadline = time.monotonic() + 10
-        while len(db._group._queued) < len(rest) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert len(db._group._queued) == len(rest)
+        wait_queued(db, len(rest))
         hold.set()
         join_all([first, *rest])
     finally:
