@@ -166,20 +166,20 @@ class GroupWriter:
         self._returning = bool(dialect.update_returning)
         # PostgreSQL runs an outcome as ONE statement (see _together); SQLite and MariaDB
         # as two or three (neither modifies data in a CTE).
-        self._together = dialect.name == "postgresql"
-        if self._together:
+        together = dialect.name == "postgresql"
+        if together:
             job = _together(target, job)
         elif self._returning:
             job = job.returning(jobs.c.status, jobs.c.finished_at)
         # psycopg 3 with a libpq that pipelines: a batch is one round trip (_in_pipeline).
-        self._pipelined = self._together and _can_pipeline(dialect)
+        self._pipelined = together and _can_pipeline(dialect)
         result_types = (jobs.c.status.type, jobs.c.finished_at.type)
         self._job = Prepared(job, dialect, result_types)
         # The other steps of an outcome where it is not one statement: the target's
         # compare-and-set, the job's state, and its announcement.
         self._steps = (
             None
-            if self._together
+            if together
             else (
                 Prepared(target, dialect),
                 Prepared(read, dialect, result_types),
