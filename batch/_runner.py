@@ -44,13 +44,13 @@ from ._values import (
     MAX_META_DEPTH,
     Config,
     Job,
-    Options,
     Result,
     Target,
     TargetStatus,
     canonical,
     check_text,
     client_idem_key,
+    decode_options,
     encode_options,
     idem_key_of,
     normalize_targets,
@@ -151,10 +151,7 @@ def _target_status(row: TargetRow, *, in_flight: bool) -> TargetStatus:
             result = Result.from_json(json.loads(row.result))
         except (ValueError, TypeError, AttributeError, RecursionError) as exc:
             error = error or f"stored result unreadable ({type(exc).__name__})"
-    try:
-        options = Options(**json.loads(row.options))
-    except (TypeError, ValueError):
-        options = Options()
+    options = decode_options(row.options)
     status = "running" if in_flight and row.status == "pending" else row.status
     return TargetStatus(
         idx=row.idx,
@@ -540,7 +537,7 @@ class Runner:
             found = self._db.get_job_with_targets(job.id, now=self._clock(), results=False)
             if found is None:
                 return
-            stored = [Target(t.url, Options(**json.loads(t.options))) for t in found[1]]
+            stored = [Target(t.url, decode_options(t.options)) for t in found[1]]
             same = canonical(stored) == canon
         if not same:
             raise IdempotencyKeyMismatchError(idempotency_key)
@@ -663,6 +660,7 @@ class Runner:
     def _drain(self, drain: _Drain) -> None:
         job_id = drain.job_id
         extra = {"job_id": job_id}
+        events = self._events
         stopped_early = False
         try:
             with self._db.writer() as writer:
@@ -677,18 +675,21 @@ class Runner:
                     if outcome is None:  # the store gave up; the job is left to be failed
                         self._abandon(job_id)
                         break
-                    self._emit(
-                        TargetStored(
-                            self._clock(),
-                            job_id,
-                            idx,
-                            drain.caller_class,
-                            fields["status"],
-                            store_started - fetch_started,
-                            time.monotonic() - store_started,
-                            len(fields.get("result") or "") if fields["status"] == "done" else 0,
+                    if events.wants(TargetStored):  # nobody listens: nothing to build
+                        events.emit(
+                            TargetStored(
+                                self._clock(),
+                                job_id,
+                                idx,
+                                drain.caller_class,
+                                fields["status"],
+                                store_started - fetch_started,
+                                time.monotonic() - store_started,
+                                len(fields.get("result") or "")
+                                if fields["status"] == "done"
+                                else 0,
+                            )
                         )
-                    )
                     if not outcome.running:
                         if outcome.status and not outcome.finished:
                             stopped_early = True
@@ -851,9 +852,9 @@ class Runner:
             }
         # json encodes what it cannot decode again: refuse it here, not on every read
         # (a cyclic meta is reported as such by json.dumps below).
-        too_deep = _json_depth(res.meta, MAX_META_DEPTH) > MAX_META_DEPTH
+        too_deep = bool(res.meta) and _json_depth(res.meta, MAX_META_DEPTH) > MAX_META_DEPTH
         try:
-            payload = json.dumps(res.to_json(), ensure_ascii=False, allow_nan=False)
+            payload = result_json(res)
             size = utf8_size(payload)
         except RecursionError:
             too_deep = True
@@ -1501,6 +1502,22 @@ def _storable(text: object, limit: int = MAX_MESSAGE_LENGTH) -> str:
     if len(s) > limit:
         s = s[: limit - 14] + " [truncated]"
     return s
+
+
+_json_text = json.encoder.encode_basestring  # a str as a JSON string, non-ASCII kept
+
+
+def result_json(res: Result) -> str:
+    """A result as it is stored: ``json.dumps(res.to_json(), ensure_ascii=False,
+    allow_nan=False)``.
+
+    Most results have no meta: their text is the content's JSON string in the frame
+    ``json.dumps`` puts around it, built directly (half the time: no encoder is set up
+    for every target).
+    """
+    if not res.meta:
+        return '{"content": ' + _json_text(res.content) + "}"
+    return json.dumps(res.to_json(), ensure_ascii=False, allow_nan=False)
 
 
 def _json_depth(value: object, limit: int) -> int:

@@ -140,6 +140,8 @@ class Target:
     def to_json(self) -> dict[str, Any]:
         """``{"url": ..., "options": {...}}``; ``options`` left out when all default."""
         out: dict[str, Any] = {"url": self.url}
+        if self.options is _DEFAULT_OPTIONS:
+            return out  # most targets: no option to read
         opts = self.options.to_json()
         if opts:
             out["options"] = opts
@@ -189,7 +191,12 @@ def _same_as(target: Target) -> tuple[Any, ...]:
     """What makes two checked targets the same: their canonical forms are equal exactly
     when these are (the default values they leave out are the only false ones)."""
     opts = target.options
+    if opts is _DEFAULT_OPTIONS:
+        return (target.url, *_DEFAULT_SAME)  # most targets: nothing to read
     return (target.url, *[getattr(opts, name) for name in _OPTION_NAMES])
+
+
+_DEFAULT_SAME = tuple(getattr(_DEFAULT_OPTIONS, name) for name in _OPTION_NAMES)
 
 
 def normalize_targets(items: object) -> list[Target]:
@@ -207,6 +214,11 @@ def normalize_targets(items: object) -> list[Target]:
             if isinstance(item, Target):
                 item.check()
                 target = item
+            elif item.__class__ is dict and len(item) == 1 and "url" in item:
+                # The usual JSON target, {"url": ...}: what from_json does, less the checks
+                # of fields it does not have.
+                target = Target(item["url"])
+                target._check_url()
             else:
                 target = Target.from_json(item)
         except InvalidTargetsError as exc:
@@ -232,6 +244,16 @@ def encode_options(options: Options) -> str:
     if options is _DEFAULT_OPTIONS:
         return "{}"  # most targets: nothing to encode
     return _dumps(options.to_json())
+
+
+def decode_options(text: str) -> Options:
+    """Options as :func:`encode_options` stored them (all default if unreadable)."""
+    if text == "{}":
+        return _DEFAULT_OPTIONS  # most targets: nothing to decode
+    try:
+        return Options(**json.loads(text))
+    except (TypeError, ValueError):
+        return _DEFAULT_OPTIONS
 
 
 def canonical(targets: Iterable[Target]) -> str:

@@ -215,16 +215,18 @@ class EventBus:
 
         return unsubscribe
 
-    def emit(self, event: Event) -> None:
-        """Queue an event without blocking; drop (and count) it when the queue is full."""
-        if self._closed:
-            return
-        kind = type(event)
+    def wants(self, kind: type) -> bool:
+        """Whether an event of this class would be queued (a subscriber wants it): an
+        emitter may skip building one nobody wants."""
         wanted = self._wanted.get(kind)
         if wanted is None:
             wanted = any(_wants(fn, kind) for fn in self._subscribers)
             self._wanted[kind] = wanted
-        if not wanted:
+        return wanted and not self._closed
+
+    def emit(self, event: Event) -> None:
+        """Queue an event without blocking; drop (and count) it when the queue is full."""
+        if not self.wants(type(event)):
             return  # nobody listens to this kind: no queue, no wake-up
         try:
             self._queue.put_nowait(event)

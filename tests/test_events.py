@@ -201,6 +201,7 @@ def test_an_event_nobody_wants_is_not_queued_and_declared_interests_are_honoured
     got: list[object] = []
     bus = EventBus([only(JobFinished, fn=got.append)], logging.getLogger("t"), name="t")
     stored = TargetStored(dt.datetime.now(dt.timezone.utc), "j", 0, "c", "done", 0.0, 0.0, 1)
+    assert not bus.wants(TargetStored) and bus.wants(JobFinished)  # a drain skips building it
     bus.emit(stored)
     assert bus._queue.qsize() == 0  # not queued at all
     finished = JobFinished(dt.datetime.now(dt.timezone.utc), "j", "c", "done", "", 1.0)
@@ -208,10 +209,12 @@ def test_an_event_nobody_wants_is_not_queued_and_declared_interests_are_honoured
     assert bus._queue.qsize() == 1
     everything: list[object] = []
     unsubscribe = bus.subscribe(everything.append)
+    assert bus.wants(TargetStored)
     bus.emit(stored)
     assert bus._queue.qsize() == 2
     bus.start()
     bus.close()
     assert got == [finished]
     assert everything == [finished, stored]  # subscribed before the dispatcher ran
+    assert not bus.wants(JobFinished)  # closed: nothing is queued any more
     unsubscribe()

@@ -42,6 +42,8 @@ from hypothesis.stateful import (
 import batch
 import dcache
 from batch import InvalidTargetsError, Options, Target
+from batch._runner import result_json
+from batch._values import decode_options, encode_options
 
 WAIT = 10.0  # the most a drain may take to reach its next fetch or end
 UTC = dt.timezone.utc
@@ -627,22 +629,45 @@ def test_normalize_targets_parses_or_raises_invalid_targets_error_only(obj: obje
     a=st.builds(Target, urls, options),
     b=st.builds(Target, urls, options),
     same_url=st.booleans(),
-    spelled=st.booleans(),
+    spelled=st.sampled_from(("object", "all", "bare")),
+    bare_first=st.booleans(),
 )
 def test_a_duplicate_is_exactly_a_target_of_the_same_canonical_form(
-    a: Target, b: Target, same_url: bool, spelled: bool
+    a: Target, b: Target, same_url: bool, spelled: str, bare_first: bool
 ) -> None:
     """normalize_targets refuses a later target exactly when its canonical form equals an
-    earlier one's, however either is given (objects, JSON with defaults spelled out)."""
+    earlier one's, however either is given (objects, JSON with defaults spelled out, or
+    the bare ``{"url": ...}`` of a target whose options are all default)."""
     if same_url:
         b = Target(a.url, b.options)
+    first: object = {"url": a.url} if bare_first and a.options == Options() else a
     second: object = b
-    if spelled:  # every option written out, the defaults too
+    if spelled == "all":  # every option written out, the defaults too
         second = {"url": b.url, "options": attrs.asdict(b.options)}
+    elif spelled == "bare" and b.options == Options():
+        second = {"url": b.url}
     same = batch.canonical([a]) == batch.canonical([b])
     try:
-        got = batch.normalize_targets([a, second])
+        got = batch.normalize_targets([first, second])
     except InvalidTargetsError as exc:
         assert same and exc.index == 1, exc
         return
     assert not same and got == [a, b]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    content=st.text(st.one_of(st.characters(), st.sampled_from(['"', "\\", "\x7f", "\u2028"]))),
+    meta=st.one_of(st.just({}), st.dictionaries(plain_text, st.one_of(plain_text, st.integers()))),
+)
+def test_a_result_is_stored_as_json_dumps_writes_it(content: str, meta: dict[str, Any]) -> None:
+    """The drain's shortcut for a result without meta gives json.dumps's text exactly."""
+    res = batch.Result(content, meta)
+    assert result_json(res) == json.dumps(res.to_json(), ensure_ascii=False, allow_nan=False)
+
+
+@settings(max_examples=200, deadline=None)
+@given(opts=options)
+def test_stored_options_decode_to_the_options_encoded(opts: Options) -> None:
+    """What the store keeps of a target's options reads back as the same options."""
+    assert decode_options(encode_options(opts)) == opts
