@@ -186,15 +186,17 @@ class GroupWriter:
                 Prepared(notify_statement(), dialect),
             )
         )
-        # Guards _queued and _leading, and is notified when the lead ends (close waits for
-        # it). The leader commits without holding it, so drains queue behind a running
-        # commit. Each waiting drain sleeps on its own outcome's lock: the leader wakes
-        # exactly the ones it answered, and hands the lead to the first one still queued
-        # (waking every waiter at every commit cost each of them a wake-up and a turn at
-        # the GIL to find it was not theirs).
-        self._cond = threading.Condition(threading.Lock())
+        # _mutex guards _queued, _leading and _closers. The leader commits without holding
+        # it, so drains queue behind a running commit. Each waiting drain sleeps on its own
+        # outcome's lock: the leader wakes exactly the ones it answered, and hands the lead
+        # to the first one still queued (waking every waiter at every commit cost each of
+        # them a wake-up and a turn at the GIL to find it was not theirs). _lead_ended is
+        # notified when the lead ends while a close() waits for it.
+        self._mutex = threading.Lock()
+        self._lead_ended = threading.Condition(self._mutex)
         self._queued: list[_Outcome] = []
         self._leading = False  # a thread is committing a batch
+        self._closers = 0  # close() calls waiting for the lead to end
         self._conn: Connection | None = None
         self._current: _Outcome | None = None  # the outcome whose statements are running
         self._sqlite = dialect.name == "sqlite"
@@ -228,19 +230,19 @@ class GroupWriter:
                 "failed": 1 if status == "failed" else 0,
             }
         )
-        cond = self._cond
-        with cond:
+        mutex = self._mutex
+        with mutex:
             self._queued.append(mine)
             lead = not self._leading
             self._leading = True
         if not lead:
             mine.wake.acquire()  # answered, or handed the lead
-        if not mine.answered:
+        if mine.answer is None and mine.error is None:
             # This thread leads. Its outcome is first in the queue: the queue was empty when
             # the lead was free, and a lead is handed to the first one queued.
             batch: list[_Outcome] = []
             try:
-                with cond:
+                with mutex:
                     batch = self._queued[:MAX_BATCH]
                     del self._queued[:MAX_BATCH]
                 self._commit(batch)  # answers every outcome of the batch
@@ -258,19 +260,24 @@ class GroupWriter:
             if not outcome.answered:  # an interrupt of the leader before its commit
                 outcome.error = StoreError("the write's batch was interrupted before its commit")
             outcome.wake.release()
-        with self._cond:
+        with self._mutex:
             following = self._queued[0] if self._queued else None
             if following is None:
                 self._leading = False
-                self._cond.notify_all()
+                if self._closers:
+                    self._lead_ended.notify_all()
         if following is not None:
             following.wake.release()
 
     def close(self) -> None:
         """Give the write connection back to the pool."""
-        with self._cond:
-            while self._leading:
-                self._cond.wait()
+        with self._mutex:
+            self._closers += 1
+            try:
+                while self._leading:
+                    self._lead_ended.wait()
+            finally:
+                self._closers -= 1
             self._drop()
 
     def _drop(self) -> None:

@@ -990,6 +990,50 @@ def test_an_interrupted_leader_answers_its_batch_and_hands_the_writer_on(db: DB)
         assert db.write_target(job.id, 0, status="done", ttl=TTL, now=T0).stored
 
 
+def test_closing_the_writer_waits_for_the_commit_under_way(db: DB) -> None:
+    """The store's writer gives its connection back only once the batch being committed
+    is answered: a close() during a commit waits for it (and is woken when it ends), and
+    the outcomes written meanwhile are all stored."""
+    jobs_ = [created(db, caller=f"c{i}", n=1) for i in range(3)]
+    hold, holding = threading.Event(), threading.Event()
+
+    def hook(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        if "UPDATE batch_target" in statement and not holding.is_set():
+            holding.set()
+            hold.wait(10)
+
+    outs: dict[str, dcache.WriteOutcome] = {}
+    closed = threading.Event()
+
+    def write(job: JobRow) -> None:
+        outs[job.id] = db.write_target(job.id, 0, status="done", ttl=TTL, now=T0)
+
+    def close() -> None:
+        db._group.close()
+        closed.set()
+
+    event.listen(db.engine, "before_cursor_execute", hook)
+    try:
+        first = threading.Thread(target=write, args=(jobs_[0],))
+        first.start()
+        assert holding.wait(10)
+        rest = [threading.Thread(target=write, args=(j,)) for j in jobs_[1:]]
+        for t in rest:
+            t.start()
+        wait_queued(db, len(rest))
+        closer = threading.Thread(target=close)
+        closer.start()
+        assert not closed.wait(0.3), "close() returned while a commit was under way"
+        hold.set()
+        join_all([first, *rest, closer])
+    finally:
+        hold.set()
+        event.remove(db.engine, "before_cursor_execute", hook)
+    assert closed.is_set() and db._group._closers == 0
+    assert outs == {j.id: dcache.WriteOutcome(True, "done", True) for j in jobs_}
+    assert all(job_of(db, j.id).targets_done == 1 for j in jobs_)
+
+
 @pytest.mark.parametrize("backend", ["postgresql", "pgbouncer"])
 def test_postgresql_commits_a_batch_in_one_exchange_with_the_server(
     db: DB, backend: str, tmp_path: Path
