@@ -935,6 +935,34 @@ def test_a_batch_with_an_outcome_the_server_refuses_commits_the_others(db: DB) -
         assert db._group.commits - commits_before == 2
 
 
+@contextlib.contextmanager
+def first_write_held(
+    db: DB,
+    jobs_: list[JobRow],
+    write: Any,
+    hook: Any,
+    holding: threading.Event,
+    hold: threading.Event,
+) -> Iterator[list[threading.Thread]]:
+    """``write(job)`` on a thread for each job, with ``hook`` watching statements: the
+    first write is held in it (it sets ``holding``, then waits for ``hold``) until the
+    others have queued behind its commit. Yields the threads; ``hold`` is set, and the
+    hook removed, on the way out."""
+    event.listen(db.engine, "before_cursor_execute", hook)
+    try:
+        first = threading.Thread(target=write, args=(jobs_[0],))
+        first.start()
+        assert holding.wait(10)
+        rest = [threading.Thread(target=write, args=(j,)) for j in jobs_[1:]]
+        for t in rest:
+            t.start()
+        wait_queued(db, len(rest))
+        yield [first, *rest]
+    finally:
+        hold.set()
+        event.remove(db.engine, "before_cursor_execute", hook)
+
+
 def test_an_interrupted_leader_answers_its_batch_and_hands_the_writer_on(db: DB) -> None:
     """An interrupt in the thread leading a commit (a BaseException out of a statement:
     KeyboardInterrupt, SystemExit) stops that thread, answers every other outcome of its
@@ -967,20 +995,9 @@ def test_an_interrupted_leader_answers_its_batch_and_hands_the_writer_on(db: DB)
         except KeyboardInterrupt:
             interrupted.append(job.id)
 
-    event.listen(db.engine, "before_cursor_execute", hook)
-    try:
-        first = threading.Thread(target=write, args=(jobs_[0],))
-        first.start()
-        assert holding.wait(10)
-        rest = [threading.Thread(target=write, args=(j,)) for j in jobs_[1:]]
-        for t in rest:
-            t.start()
-        wait_queued(db, len(rest))
+    with first_write_held(db, jobs_, write, hook, holding, hold) as writers:
         hold.set()
-        join_all([first, *rest])
-    finally:
-        hold.set()
-        event.remove(db.engine, "before_cursor_execute", hook)
+        join_all(writers)
     assert outs == {jobs_[0].id: dcache.WriteOutcome(True, "done", True)}
     assert len(interrupted) == 1
     assert set(errors) == {j.id for j in jobs_[1:]} - set(interrupted)
@@ -1012,23 +1029,12 @@ def test_closing_the_writer_waits_for_the_commit_under_way(db: DB) -> None:
         db._group.close()
         closed.set()
 
-    event.listen(db.engine, "before_cursor_execute", hook)
-    try:
-        first = threading.Thread(target=write, args=(jobs_[0],))
-        first.start()
-        assert holding.wait(10)
-        rest = [threading.Thread(target=write, args=(j,)) for j in jobs_[1:]]
-        for t in rest:
-            t.start()
-        wait_queued(db, len(rest))
+    with first_write_held(db, jobs_, write, hook, holding, hold) as writers:
         closer = threading.Thread(target=close)
         closer.start()
         assert not closed.wait(0.3), "close() returned while a commit was under way"
         hold.set()
-        join_all([first, *rest, closer])
-    finally:
-        hold.set()
-        event.remove(db.engine, "before_cursor_execute", hook)
+        join_all([*writers, closer])
     assert closed.is_set() and db._group._closers == 0
     assert outs == {j.id: dcache.WriteOutcome(True, "done", True) for j in jobs_}
     assert all(job_of(db, j.id).targets_done == 1 for j in jobs_)
