@@ -7,6 +7,8 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import json
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -17,7 +19,17 @@ from flask import Flask
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy import event
-from test_flask import Api, GatedFetch, Make, _error, fetch, identify, make, make_all  # noqa: F401
+from test_flask import (  # noqa: F401
+    Api,
+    GatedFetch,
+    Make,
+    _error,
+    check_response,
+    fetch,
+    identify,
+    make,
+    make_all,
+)
 
 import batch
 import dcache
@@ -123,11 +135,11 @@ def test_get_answers_the_same_document_as_decoding_and_reencoding(
 
 
 def test_orjson_and_the_stdlib_answer_the_same_bytes(
-    make: Make, monkeypatch: pytest.MonkeyPatch
+    make_all: Make, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The optional fast encoder changes speed only: byte for byte the same answers."""
     assert jsonenc.ENCODER == "orjson"  # the test extra installs it: both paths are run
-    api, runner = make()
+    api, runner = make_all()
     job_id = _submit(api, ["test://a", "test://fail/ü"])
     runner.wait(job_id, timeout=10)
     fast = [api.get(job_id).get_data(), api.post([{"url": "test://a"}, {"url": "test://fail/ü"}])]
@@ -140,9 +152,37 @@ def test_orjson_and_the_stdlib_answer_the_same_bytes(
     assert jsonenc.dumps_stdlib(odd) == __import__("orjson").dumps(odd)
 
 
-def test_a_large_answer_is_streamed_target_by_target(make: Make, fetch: GatedFetch) -> None:
+def test_without_orjson_the_stdlib_encodes_the_answers() -> None:
+    """The [fast] extra is optional: with orjson not importable, batch uses the standard
+    library, and a whole answer decodes to the same document (a fresh interpreter, orjson
+    blocked before batch is imported)."""
+    script = (
+        "import sys; sys.modules['orjson'] = None\n"
+        "import json, flask, batch, dcache\n"
+        "from batch import _json, flask as bf\n"
+        "assert _json.ENCODER == 'json' and _json.dumps is _json.dumps_stdlib\n"
+        "db = dcache.DB.memory()\n"
+        "runner = batch.Runner(db, lambda t: batch.Result('é ' + t.url))\n"
+        "app = flask.Flask('t')\n"
+        "bf.init_app(app, runner, lambda req: ('alice', 'std'))\n"
+        "c = app.test_client()\n"
+        "r = c.post('/jobs', json={'targets': [{'url': 'http://a.test/ü'}]})\n"
+        "job_id = r.get_json()['job']['id']\n"
+        "runner.wait(job_id, timeout=10)\n"
+        "got = c.get(f'/jobs/{job_id}').get_json()\n"
+        "assert got['targets'][0]['result'] == {'content': 'é http://a.test/ü'}, got\n"
+        "assert got['job']['status'] == 'done', got\n"
+        "runner.close(); db.close(); print('ok')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_a_large_answer_is_streamed_target_by_target(make_all: Make, fetch: GatedFetch) -> None:
     """Past a few hundred KiB the answer is written as it is read, never built whole."""
-    api, runner = make()
+    api, runner = make_all()
     big = "x" * (200 * 1024)
 
     def large(target: batch.Target) -> batch.Result:
@@ -153,7 +193,8 @@ def test_a_large_answer_is_streamed_target_by_target(make: Make, fetch: GatedFet
     runner.wait(job_id, timeout=10)
     resp = api.client.get(f"/jobs/{job_id}", headers={"X-Caller": "alice"}, buffered=False)
     assert resp.is_streamed and "Content-Length" not in resp.headers
-    body = b"".join(resp.response)
+    check_response(api.doc, "GET", f"/jobs/{job_id}", resp)  # reads it whole, then checks
+    body = resp.get_data()
     resp.close()
     assert json.loads(body) == _expected(runner, job_id)
     small = api.get(_submit(api, ["test://small"]), query_string={"wait": 10})
@@ -222,10 +263,7 @@ def test_wait_with_if_none_match_waits_for_the_next_change(api_on: Any, fetch: G
     out: dict[str, Any] = {}
 
     def poll() -> None:
-        client = api.client
-        out["resp"] = client.get(
-            f"/jobs/{job_id}?wait=20", headers={"X-Caller": "alice", "If-None-Match": tag}
-        )
+        out["resp"] = api.get(job_id, headers={"If-None-Match": tag}, query_string={"wait": 20})
 
     poller = threading.Thread(target=poll)
     poller.start()
@@ -288,9 +326,9 @@ def test_one_target_and_its_content_one_at_a_time(make_all: Make, fetch: GatedFe
     runner.wait(job_id, timeout=10)
 
 
-def test_content_carries_the_type_fetch_reported(make: Make) -> None:
+def test_content_carries_the_type_fetch_reported(make_all: Make) -> None:
     """HTML stays HTML, base64-stored bytes come back as the bytes they were."""
-    api, runner = make()
+    api, runner = make_all()
     png = b"\x89PNG\r\n\x1a\n\x00\xff"
 
     def typed(target: batch.Target) -> batch.Result:
