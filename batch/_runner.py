@@ -660,7 +660,6 @@ class Runner:
     def _drain(self, drain: _Drain) -> None:
         job_id = drain.job_id
         extra = {"job_id": job_id}
-        events = self._events
         stopped_early = False
         try:
             with self._db.writer() as writer:
@@ -675,8 +674,8 @@ class Runner:
                     if outcome is None:  # the store gave up; the job is left to be failed
                         self._abandon(job_id)
                         break
-                    if events.wants(TargetStored):  # nobody listens: nothing to build
-                        events.emit(
+                    if self._events.wants(TargetStored):  # nobody listens: nothing to build
+                        self._emit(
                             TargetStored(
                                 self._clock(),
                                 job_id,

@@ -237,7 +237,7 @@ class GroupWriter:
             self._leading = True
         if not lead:
             mine.wake.acquire()  # answered, or handed the lead
-        if mine.answer is None and mine.error is None:
+        if not mine.answered:
             # This thread leads. Its outcome is first in the queue: the queue was empty when
             # the lead was free, and a lead is handed to the first one queued.
             batch: list[_Outcome] = []
