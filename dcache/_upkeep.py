@@ -198,17 +198,16 @@ class Upkeep:
         Returns how many jobs were deleted.
         """
         now = aware_now(now)
+        self._forget_tombstones(now - tombstone_ttl, limit, max_batches)
         gone = 0
-        with self._write() as conn:
-            conn.execute(delete(tombstones).where(tombstones.c.expired_at < now - tombstone_ttl))
+        lapsed = and_(jobs.c.expires_at <= now, jobs.c.status.not_in(LIVE))
+        # Oldest lease first, by the expiry index: a range that ends at ``now`` and stops
+        # at ``limit`` rows, however many jobs the table holds (ordered by id, the same
+        # query walked the whole primary key on SQLite and sorted a scan on PostgreSQL).
+        oldest = select(jobs.c.id).where(lapsed).order_by(jobs.c.expires_at).limit(limit)
         for _ in range(max_batches):
             with self._write() as conn:
-                lapsed = and_(jobs.c.expires_at <= now, jobs.c.status.not_in(LIVE))
-                ids = (
-                    conn.execute(select(jobs.c.id).where(lapsed).order_by(jobs.c.id).limit(limit))
-                    .scalars()
-                    .all()
-                )
+                ids = conn.execute(oldest).scalars().all()
                 if not ids:
                     break
                 # Lock in the per-target write's order, targets then job, so a late write
@@ -247,3 +246,20 @@ class Upkeep:
             if len(ids) < limit:
                 break
         return gone
+
+    def _forget_tombstones(self, before: dt.datetime, limit: int, max_batches: int) -> None:
+        """Delete the tombstones older than ``before``: batches of ``limit``, at most
+        ``max_batches`` of them, each its own short transaction (the rest wait a call)."""
+        old = (
+            select(tombstones.c.id)
+            .where(tombstones.c.expired_at < before)
+            .order_by(tombstones.c.expired_at)
+            .limit(limit)
+        )
+        for _ in range(max_batches):
+            with self._write() as conn:
+                ids = conn.execute(old).scalars().all()
+                if ids:
+                    conn.execute(delete(tombstones).where(tombstones.c.id.in_(ids)))
+            if len(ids) < limit:
+                break

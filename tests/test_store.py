@@ -1279,6 +1279,10 @@ def test_purge_deletes_only_lapsed_jobs_that_are_not_live(db: DB) -> None:
     assert db.purge_expired(now=later, limit=1) == 0
 
 
+def tombstone_count(db: DB) -> int:
+    return int(sql(db, "SELECT count(*) FROM batch_tombstone")[0][0])
+
+
 def test_purge_stops_after_max_batches(db: DB) -> None:
     """Purge is bounded: each call does at most max_batches batches of limit jobs."""
     for caller in "abcde":
@@ -1608,21 +1612,79 @@ def test_the_submit_lookups_use_an_index(db: DB, captured: list[tuple[str, Any]]
         assert_index_used(db, *captured[0], index)
 
 
-def assert_index_used(db: DB, statement: str, params: Any, index: str) -> None:
-    """EXPLAIN the statement as the store sent it and insist an index serves it."""
+def assert_index_used(
+    db: DB, statement: str, params: Any, index: str, *, sorted_by_it: bool = False
+) -> None:
+    """EXPLAIN the statement as the store sent it and insist an index serves it (and, with
+    ``sorted_by_it``, its ORDER BY too: no sort step, so a LIMIT stops the index walk).
+
+    With a handful of rows the servers' planners may filter through any of the table's
+    indexes; only the one index serves an ordered walk, so that case names it exactly.
+    """
+    named = index if sorted_by_it else "ix_batch_"
     with db.engine.begin() as conn:
         if db.dialect == "sqlite":
             plan = [r[-1] for r in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + statement, params)]
             assert any(index in step for step in plan), plan
-            assert not any(step.startswith("SCAN batch_job") for step in plan), plan
+            assert not any(step.startswith("SCAN batch_") for step in plan), plan
+            sorts = [step for step in plan if "TEMP B-TREE" in step]
         elif db.dialect == "postgresql":
             conn.exec_driver_sql("SET LOCAL enable_seqscan = off")
             plan = [r[0] for r in conn.exec_driver_sql("EXPLAIN " + statement, params)]
-            assert any("Index" in step and "ix_batch_job_" in step for step in plan), plan
+            assert any("Index" in step and named in step for step in plan), plan
             assert not any("Seq Scan" in step for step in plan), plan
+            sorts = [step for step in plan if "Sort" in step]
         else:
             rows = conn.exec_driver_sql("EXPLAIN " + statement, params).mappings().all()
             assert all(r["key"] and r["type"] != "ALL" for r in rows), rows
+            assert any(r["key"].startswith(named) for r in rows), rows
+            sorts = [r for r in rows if "filesort" in (r["Extra"] or "")]
+        if sorted_by_it:
+            assert not sorts, sorts
+
+
+def test_purge_walks_the_expiry_indexes_oldest_first(
+    db: DB, captured: list[tuple[str, Any]]
+) -> None:
+    """Purge runs every period against the whole table: its searches for lapsed jobs and
+    old tombstones are index ranges in index order, so each batch reads about ``limit``
+    rows, however many jobs and targets the store holds (no scan, no sort)."""
+    for caller in "abcdef":
+        assert db.fail_job(created(db, caller=caller, n=3).id, "x", now=T0)
+    created(db, caller="g")  # live: never purged
+    later = T0 + TTL
+    captured.clear()
+    assert db.purge_expired(now=later, limit=2, max_batches=1) == 2
+    picks = [(s, p) for s, p in captured if "LIMIT" in s.upper()]
+    assert len(picks) == 2, captured  # one for old tombstones, one for lapsed jobs
+    (tomb, tomb_params), (lapsed, lapsed_params) = picks
+    assert "batch_tombstone" in tomb and "batch_job" in lapsed
+    assert_index_used(db, tomb, tomb_params, "ix_batch_tombstone_expired", sorted_by_it=True)
+    assert_index_used(db, lapsed, lapsed_params, "ix_batch_job_expires", sorted_by_it=True)
+
+
+def test_old_tombstones_go_in_bounded_batches(db: DB) -> None:
+    """Each purge deletes at most ``max_batches x limit`` old tombstones; the rest wait for
+    the next one, and a tombstone still within its time keeps answering "expired"."""
+    ids = []
+    for caller in "abcde":
+        job = created(db, caller=caller, n=1)
+        assert db.fail_job(job.id, "x", now=T0)
+        ids.append(job.id)
+    lapsed = T0 + TTL
+    assert db.purge_expired(now=lapsed) == 5
+    assert tombstone_count(db) == 5
+    young = T0 + TTL + dcache.TOMBSTONE_TTL - dt.timedelta(seconds=1)
+    assert db.purge_expired(now=young, limit=2, max_batches=1) == 0
+    assert tombstone_count(db) == 5
+    old = young + dt.timedelta(seconds=2)
+    assert db.purge_expired(now=old, limit=2, max_batches=1) == 0
+    assert tombstone_count(db) == 3
+    assert db.purge_expired(now=old, limit=2, max_batches=1) == 0
+    assert tombstone_count(db) == 1
+    assert sorted(db.lookup(i, now=old).state for i in ids) == ["expired"] + ["unknown"] * 4
+    assert db.purge_expired(now=old, limit=2) == 0
+    assert tombstone_count(db) == 0
 
 
 def test_a_table_made_by_an_older_build_is_refused_with_a_clear_error(tmp_path: Path) -> None:
