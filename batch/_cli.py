@@ -33,6 +33,7 @@ from typing import Any, Protocol
 from urllib.parse import unquote
 
 import dcache
+from dcache import Status
 
 from . import _serve
 from ._cli_show import (
@@ -430,10 +431,7 @@ class StoreReader:
         if found is None:
             return None
         row, rows = found
-        in_flight = -1
-        if row.status == "running":
-            in_flight = next((t.idx for t in rows if t.status == "pending"), -1)
-        return _job(row), [_target_status(t, in_flight=t.idx == in_flight) for t in rows]
+        return _job(row), [_target_status(t, row) for t in rows]
 
     def result(self, job_id: str, idx: int) -> TargetStatus | None:
         """One target with its result (see :meth:`Runner.result`)."""
@@ -441,8 +439,7 @@ class StoreReader:
         if found is None:
             return None
         row, target = found
-        in_flight = row.status == "running" and target.status == "pending"
-        return _target_status(target, in_flight=in_flight and target.idx == row.targets_done)
+        return _target_status(target, row)
 
     def job(self, job_id: str) -> Job | None:
         """The job without its targets."""
@@ -549,7 +546,7 @@ def _run_job(
         )
         if not job.terminal:
             _say(f"job {job_id} is still {job.status} elsewhere; waiting for it")
-        elif job.status == "cancelled":
+        elif job.status == Status.CANCELLED:
             _say("it was cancelled; to run these targets again now, pass another --caller")
     else:
         _say(f"job {job_id}: {job.targets_total} target(s) on {redact_url(_db_url(args))}")
@@ -574,7 +571,7 @@ def _run_job(
     final = _report(runner, args, job_id)
     if final is None:
         return EXIT_FAILED
-    return EXIT_OK if final.status == "done" else EXIT_FAILED
+    return EXIT_OK if final.status == Status.DONE else EXIT_FAILED
 
 
 def _json_out(args: argparse.Namespace) -> bool:
@@ -610,7 +607,7 @@ def _write_outputs(
     directory = Path(args.output)
     written = 0
     for t in targets:
-        if t.status != "done":
+        if t.status != Status.DONE:
             continue
         # One result in memory at a time, however large the job's results are.
         full = t if t.result is not None else runner.result(job_id, t.idx)
@@ -713,7 +710,7 @@ def _watch(store: StoreReader, args: argparse.Namespace) -> int:
     if redraw is None and not args.json:
         for line in job_lines(job, targets, None):
             print(line)
-    return EXIT_OK if job.status == "done" else EXIT_FAILED
+    return EXIT_OK if job.status == Status.DONE else EXIT_FAILED
 
 
 def _cmd_cancel(args: argparse.Namespace) -> int:

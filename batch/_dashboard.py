@@ -30,8 +30,9 @@ from flask import Blueprint, Request, Response, abort, redirect, request, url_fo
 from werkzeug.exceptions import HTTPException
 
 import dcache
-from dcache import LIVE, TERMINAL, JobRow
+from dcache import LIVE, TERMINAL, Delivery, JobRow, Status
 from dcache._admin import TargetSummary
+from dcache._rows import in_flight
 
 from ._runner import Runner
 
@@ -58,7 +59,9 @@ _CANCEL_MESSAGES = {
     "ok": "Cancelled: the target in flight is stored, then the job stops.",
     "finished": "Not cancelled: the job had already finished.",
     "resent": "Notification queued again: it is sent now, with the same webhook id.",
-    "pending": "Not resent: the notification is still pending (it will be sent anyway).",
+    Delivery.PENDING.value: (
+        "Not resent: the notification is still pending (it will be sent anyway)."
+    ),
 }
 
 
@@ -107,13 +110,6 @@ def _environment() -> jinja2.Environment:
     return env
 
 
-def _in_flight(job: JobRow, rows: list[TargetSummary]) -> int:
-    """The index of the target being fetched (the first pending of a running job), or -1."""
-    if job.status != "running":
-        return -1
-    return next((t.idx for t in rows if t.status == "pending"), -1)
-
-
 def _etag(job: JobRow) -> str:
     # Every target write and status change updates the job row, so the row alone tells
     # whether anything on the page changed: a conditional poll is one primary-key read.
@@ -130,6 +126,13 @@ def _etag(job: JobRow) -> str:
         )
     )
     return '"' + hashlib.sha256(raw.encode("utf-8", "backslashreplace")).hexdigest()[:32] + '"'
+
+
+def _in_flight(job: JobRow, rows: list[TargetSummary]) -> int:
+    """The index of the target being fetched (see :func:`dcache._rows.in_flight`), or -1."""
+    return next(
+        (t.idx for t in rows if in_flight(job.status, job.targets_done, t.idx, t.status)), -1
+    )
 
 
 def _progress(job: JobRow, rows: list[TargetSummary]) -> dict[str, Any]:
@@ -151,7 +154,7 @@ def _progress(job: JobRow, rows: list[TargetSummary]) -> dict[str, Any]:
         "targets": [
             {
                 "idx": t.idx,
-                "status": "running" if t.idx == flight else t.status,
+                "status": Status.RUNNING.value if t.idx == flight else t.status,
                 "in_flight": t.idx == flight,
                 "error": t.error,
                 "hint": t.hint,
@@ -376,7 +379,7 @@ class _Dashboard:
                 "another site). Reload the job's page and try again.",
             )
         self._summary(job_id)  # 404 for an unknown job
-        outcome = "resent" if self.runner.redeliver(job_id) else "pending"
+        outcome = "resent" if self.runner.redeliver(job_id) else Delivery.PENDING.value
         return redirect(url_for(".job", job_id=job_id, cancel=outcome), code=303)  # type: ignore[return-value]
 
     def _csrf_ok(self) -> bool:

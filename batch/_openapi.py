@@ -17,6 +17,7 @@ __all__ = ["document"]
 _REF = "#/components/schemas/"
 _JOB_STATUSES = list(dcache.JOB_STATUSES)
 _TARGET_STATUSES = list(dcache.TARGET_STATUSES)
+_DELIVERY_STATUSES = list(dcache.DELIVERY_STATUSES)
 _ERROR_TYPES = (
     "bad_request, invalid_parameter, invalid_idempotency_key, unauthorized, not_found, "
     "expired, no_result, method_not_allowed, job_finished, payload_too_large, "
@@ -102,7 +103,7 @@ _SCHEMAS: dict[str, Any] = {
         "properties": {
             "id": {"type": "string", "description": "The webhook-id of every attempt."},
             "url": {"type": "string"},
-            "status": {"type": "string", "enum": ["pending", "delivered", "failed"]},
+            "status": {"type": "string", "enum": _DELIVERY_STATUSES},
             "attempts": {"type": "integer", "minimum": 0},
             "next_attempt_at": {"type": ["string", "null"], "format": "date-time"},
             "last_answer": {"type": "string"},

@@ -21,11 +21,13 @@ from dcache import (
     JobRow,
     NewTarget,
     PoolExhaustedError,
+    Status,
     StoreError,
     StoreUnavailableError,
     TargetRow,
     WriteOutcome,
 )
+from dcache._rows import in_flight
 from dcache._shared import utf8_size
 
 from ._errors import (
@@ -73,6 +75,10 @@ from .events import (
 )
 
 __all__ = ["Fetch", "RawStatus", "Runner", "new_job_id"]
+
+_DONE = Status.DONE.value
+_FAILED = Status.FAILED.value
+_CANCELLED = Status.CANCELLED.value
 
 Fetch = Callable[[Target], Result]
 _R = TypeVar("_R", bound="Runner")
@@ -141,7 +147,8 @@ def _job(row: JobRow) -> Job:
     )
 
 
-def _target_status(row: TargetRow, *, in_flight: bool) -> TargetStatus:
+def _target_status(row: TargetRow, job: JobRow) -> TargetStatus:
+    """A stored target as the runner shows it: ``running`` while ``job``'s drain has it."""
     result = None
     error = row.error
     if row.result is not None:
@@ -152,7 +159,9 @@ def _target_status(row: TargetRow, *, in_flight: bool) -> TargetStatus:
         except (ValueError, TypeError, AttributeError, RecursionError) as exc:
             error = error or f"stored result unreadable ({type(exc).__name__})"
     options = decode_options(row.options)
-    status = "running" if in_flight and row.status == "pending" else row.status
+    status = row.status
+    if in_flight(job.status, job.targets_done, row.idx, status):
+        status = Status.RUNNING.value
     return TargetStatus(
         idx=row.idx,
         url=row.url,
@@ -177,11 +186,10 @@ class RawStatus:
         self.results = results  # False: every result left out, its size in result_bytes
 
     def __iter__(self) -> Iterator[dcache.TargetRow]:
-        in_flight = self.job.status == "running"
+        status, done = self.job.status, self.job.targets_done
         for row in self._stream:
-            if in_flight and row.status == "pending":
-                in_flight = False  # the first pending target of a running job is in flight
-                yield attrs.evolve(row, status="running")
+            if in_flight(status, done, row.idx, row.status):
+                yield attrs.evolve(row, status=Status.RUNNING.value)
             else:
                 yield row
 
@@ -684,9 +692,7 @@ class Runner:
                                 fields["status"],
                                 store_started - fetch_started,
                                 time.monotonic() - store_started,
-                                len(fields.get("result") or "")
-                                if fields["status"] == "done"
-                                else 0,
+                                len(fields.get("result") or "") if fields["status"] == _DONE else 0,
                             )
                         )
                     if not outcome.running:
@@ -706,11 +712,11 @@ class Runner:
                 # Its end could not be recorded (the store gave up, or a crash): announce
                 # what the store will say once it answers, so every drain has one end.
                 if drain.shutdown:
-                    self._finished(drain, "failed", "shutdown")
+                    self._finished(drain, _FAILED, "shutdown")
                 elif drain.stop.is_set():
-                    self._finished(drain, "cancelled")
+                    self._finished(drain, _CANCELLED)
                 else:
-                    self._finished(drain, "failed", "store unavailable")
+                    self._finished(drain, _FAILED, "store unavailable")
             with self._lock:
                 self._drains.pop(job_id, None)
                 # The thread lives a moment longer: wait() joins it from here.
@@ -737,7 +743,7 @@ class Runner:
         now = self._clock()
         try:
             if drain.shutdown and self._db.fail_job(drain.job_id, "shutdown", now=now):
-                self._finished(drain, "failed", "shutdown")
+                self._finished(drain, _FAILED, "shutdown")
             elif self._db.mark_finished(drain.job_id, now=now):
                 job = self._db.get_job(drain.job_id, now=now)
                 if job is not None:
@@ -811,7 +817,7 @@ class Runner:
                 target.url,
                 extra={"job_id": job_id},
             )
-            return {"status": "failed", "error": f"FetchTimeout: no result within {seconds:g} s"}
+            return {"status": _FAILED, "error": f"FetchTimeout: no result within {seconds:g} s"}
         ok, value = box[0]
         if not ok:
             return self._fetch_failed(job_id, idx, target, value)
@@ -823,7 +829,7 @@ class Runner:
         """The fields to store for a fetch that raised (anything, SystemExit included)."""
         if isinstance(exc, FetchError):
             return {
-                "status": "failed",
+                "status": _FAILED,
                 "error": _storable(exc.message),
                 "hint": _storable(exc.hint),
             }
@@ -835,18 +841,18 @@ class Runner:
             exc_info=exc,
             extra={"job_id": job_id},
         )
-        return {"status": "failed", "error": _storable(_describe(exc))}
+        return {"status": _FAILED, "error": _storable(_describe(exc))}
 
     def _fields_of(self, res: object) -> dict[str, Any]:
         """The fields to store for what a fetch returned."""
         if not isinstance(res, Result):
             return {
-                "status": "failed",
+                "status": _FAILED,
                 "error": f"TypeError: fetch returned {type(res).__name__}, not batch.Result",
             }
         if not isinstance(res.content, str) or not isinstance(res.meta, dict):
             return {
-                "status": "failed",
+                "status": _FAILED,
                 "error": "TypeError: Result.content must be str and Result.meta a dict",
             }
         # json encodes what it cannot decode again: refuse it here, not on every read
@@ -859,12 +865,12 @@ class Runner:
             too_deep = True
         except (TypeError, ValueError) as exc:
             return {
-                "status": "failed",
+                "status": _FAILED,
                 "error": _storable(f"{_describe(exc)} (result not storable)"),
             }
         if too_deep:
             return {
-                "status": "failed",
+                "status": _FAILED,
                 "error": f"ResultTooDeep: meta nests more than {MAX_META_DEPTH} levels",
             }
         # The smaller of the configured limit and what this backend holds with any content
@@ -872,10 +878,10 @@ class Runner:
         limit = min(self._config.max_result_bytes, self._db.max_result_bytes)
         if size > limit:
             return {
-                "status": "failed",
+                "status": _FAILED,
                 "error": f"ResultTooLarge: result is {size} bytes, at most {limit} allowed",
             }
-        return {"status": "done", "result": payload}
+        return {"status": _DONE, "result": payload}
 
     def _store(
         self, writer: dcache.Writer, job_id: str, idx: int, fields: dict[str, Any]
@@ -931,7 +937,7 @@ class Runner:
             )
         except StoreError as exc:
             self._store_failed("write_target", exc)
-            if fields["status"] == "done":
+            if fields["status"] == _DONE:
                 # The database refused this result: store the target as failed instead.
                 self._log.error(
                     "job %s target %d: result refused by the store",
@@ -945,7 +951,7 @@ class Runner:
                     job_id,
                     idx,
                     {
-                        "status": "failed",
+                        "status": _FAILED,
                         "error": _storable(f"StoreError: result refused: {exc}", 2000),
                     },
                 )
@@ -990,10 +996,7 @@ class Runner:
         if found is None:
             return None
         row, rows = found
-        in_flight = -1
-        if row.status == "running":
-            in_flight = next((t.idx for t in rows if t.status == "pending"), -1)
-        return _job(row), [_target_status(t, in_flight=t.idx == in_flight) for t in rows]
+        return _job(row), [_target_status(t, row) for t in rows]
 
     def result(self, job_id: str, idx: int) -> TargetStatus | None:
         """One target with its result; ``None`` if the job or the target is unknown."""
@@ -1003,12 +1006,7 @@ class Runner:
         if found is None:
             return None
         row, target = found
-        in_flight = (
-            row.status == "running"
-            and target.status == "pending"
-            and (target.idx == row.targets_done)
-        )
-        return _target_status(target, in_flight=in_flight)
+        return _target_status(target, row)
 
     def lookup(self, job_id: str) -> str:
         """``"found"``, ``"expired"`` (its lease lapsed, purged or not) or ``"unknown"``.
@@ -1149,8 +1147,8 @@ class Runner:
         if found is None:
             return None
         row, target = found
-        if row.status == "running" and target.status == "pending" and idx == row.targets_done:
-            target = attrs.evolve(target, status="running")
+        if in_flight(row.status, row.targets_done, target.idx, target.status):
+            target = attrs.evolve(target, status=Status.RUNNING.value)
         return _job(row), target
 
     def result_slice(self, job_id: str, idx: int, start: int, length: int) -> str | None:

@@ -199,12 +199,22 @@ def _same_as(target: Target) -> tuple[Any, ...]:
 _DEFAULT_SAME = tuple(getattr(_DEFAULT_OPTIONS, name) for name in _OPTION_NAMES)
 
 
+class Checked(tuple[Target, ...]):
+    """Targets :func:`normalize_targets` returned, sealed: handed to it again (the HTTP
+    view checks a request's targets before it submits them), they are not checked twice.
+    A tuple, so nothing can be added to it after the check."""
+
+    __slots__ = ()
+
+
 def normalize_targets(items: object) -> list[Target]:
     """Turn a list of ``Target`` objects and/or JSON dicts into validated ``Target``s.
 
     Raises :class:`InvalidTargetsError` naming the index and field at fault: an empty or
     non-list value, an item that is neither, a bad URL or option, or a duplicate.
     """
+    if type(items) is Checked:
+        return list(items)  # checked already, and sealed since
     if isinstance(items, (str, bytes, Mapping)) or not isinstance(items, Iterable):
         raise InvalidTargetsError(f"targets must be a list of targets, not {type(items).__name__}")
     out: list[Target] = []

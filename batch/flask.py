@@ -54,7 +54,7 @@ from ._errors import (
 from ._metrics import metrics
 from ._openapi import document
 from ._runner import RawStatus, Runner
-from ._values import MAX_KEY_LENGTH, Job, normalize_targets
+from ._values import MAX_KEY_LENGTH, Checked, Job, normalize_targets
 from .fetchers import Fetcher
 
 __all__ = [
@@ -259,15 +259,20 @@ class BatchAPI:
         except SubmitError as exc:  # a future kind: keep its status, stay in one shape
             raise APIError(exc.http_status, "invalid_request", str(exc)) from None
 
-    def _precheck(self, targets: Any) -> None:
-        """422 for a target the runner's :class:`Fetcher` would surely refuse."""
-        fetcher = self.runner.fetch
-        if not isinstance(fetcher, Fetcher):
-            return  # an app's own fetch: only it knows what it refuses
+    def _checked(self, targets: Any) -> Any:
+        """The request's targets, checked once here for the submit to use as they are;
+        422 for one the runner's :class:`Fetcher` would surely refuse.
+
+        Malformed targets are passed on unchecked: the submit refuses them with the same
+        words and context, after the checks it makes first (caller, notification URL).
+        """
         try:
             items = normalize_targets(targets)
         except InvalidTargetsError:
-            return  # submit refuses it with the same words and context
+            return targets
+        fetcher = self.runner.fetch
+        if not isinstance(fetcher, Fetcher):
+            return Checked(items)  # an app's own fetch: only it knows what it refuses
         for index, target in enumerate(items):
             try:
                 fetcher.check_url(target.url)
@@ -278,6 +283,7 @@ class BatchAPI:
                     f"targets[{index}].url: {exc.message}",
                     context={"index": index, "field": "url", "hint": exc.hint},
                 ) from None
+        return Checked(items)
 
     def _unavailable(self, message: str) -> APIError:
         return APIError(
@@ -314,9 +320,9 @@ class BatchAPI:
                 422, "invalid_request", "the body has no targets", context={"field": "targets"}
             )
         key = self._idempotency_key()
-        self._precheck(payload["targets"])
+        targets = self._checked(payload["targets"])
         # The answer is the job row the submit transaction already has: no second read.
-        job, reused = self._submit(caller, caller_class, payload["targets"], key, notify)
+        job, reused = self._submit(caller, caller_class, targets, key, notify)
         resp = _json({"job": _job_json(job), "reused": bool(reused)}, 202)
         resp.headers["Location"] = url_for(".job", job_id=job.id)
         return resp
@@ -477,7 +483,7 @@ class BatchAPI:
 # A status answer up to this size is sent whole (one write, with a Content-Length); a
 # larger one is streamed target by target, each stored result written as it is read.
 _WHOLE = 256 * 1024
-_STATUSES = {s: s.encode() for s in ("pending", "running", "done", "failed")}
+_STATUSES = {s: s.encode() for s in dcache.TARGET_STATUSES}
 
 
 def _etag(job: Job, note: dcache.NotificationRow | None, results: bool) -> str:

@@ -26,17 +26,28 @@ from ._rows import (
     TargetRow,
     WriteOutcome,
 )
-from ._schema import JOB_STATUSES, LIVE, SCHEMA_VERSION, TARGET_STATUSES, TERMINAL, Status
+from ._schema import (
+    DELIVERY_STATUSES,
+    JOB_STATUSES,
+    LIVE,
+    SCHEMA_VERSION,
+    TARGET_STATUSES,
+    TERMINAL,
+    Delivery,
+    Status,
+)
 from ._upkeep import TOMBSTONE_TTL
 
 __all__ = [
     "DB",
+    "DELIVERY_STATUSES",
     "JOB_STATUSES",
     "LIVE",
     "SCHEMA_VERSION",
     "TARGET_STATUSES",
     "TERMINAL",
     "TOMBSTONE_TTL",
+    "Delivery",
     "JobRow",
     "JobStream",
     "Lookup",

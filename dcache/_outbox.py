@@ -23,7 +23,7 @@ from sqlalchemy import Connection, bindparam, insert, literal, or_, select, upda
 
 from ._errors import wrap_errors
 from ._rows import NotificationRow
-from ._schema import LIVE, UTCDateTime, jobs, outbox
+from ._schema import LIVE, Delivery, UTCDateTime, jobs, outbox
 from ._shared import aware_now, findable
 
 __all__ = [
@@ -36,9 +36,9 @@ __all__ = [
     "queue_notification",
 ]
 
-PENDING = "pending"
-DELIVERED = "delivered"
-FAILED = "failed"
+PENDING = Delivery.PENDING.value
+DELIVERED = Delivery.DELIVERED.value
+FAILED = Delivery.FAILED.value
 
 _COLUMNS = [
     outbox.c.id,

@@ -7,7 +7,7 @@ from typing import Literal
 
 import attrs
 
-from ._schema import LIVE
+from ._schema import LIVE, Delivery, Status
 
 __all__ = [
     "JobRow",
@@ -18,7 +18,22 @@ __all__ = [
     "SubmitOutcome",
     "TargetRow",
     "WriteOutcome",
+    "in_flight",
 ]
+
+_RUNNING = Status.RUNNING.value
+_PENDING = Status.PENDING.value
+
+
+def in_flight(job_status: str, targets_done: int, idx: int, target_status: str) -> bool:
+    """Whether target ``idx`` is the one its job's drain is fetching now.
+
+    A running job's drain takes its targets in index order and stores each before it
+    starts the next, so the target in flight is the pending one at index
+    ``targets_done``. The runner, the HTTP API, the CLI and the dashboard show it as
+    ``running`` (a status no stored target has): this is the one place that rule lives.
+    """
+    return job_status == _RUNNING and idx == targets_done and target_status == _PENDING
 
 
 @attrs.frozen
@@ -104,7 +119,7 @@ class NotificationRow:
             "status": self.status,
             "attempts": self.attempts,
             "next_attempt_at": (
-                self.next_attempt_at.isoformat() if self.status == "pending" else None
+                self.next_attempt_at.isoformat() if self.status == Delivery.PENDING else None
             ),
             "last_answer": self.last_answer,
         }

@@ -31,6 +31,7 @@ from sqlalchemy.sql.functions import FunctionElement
 from sqlalchemy.types import TypeDecorator, TypeEngine
 
 __all__ = [
+    "DELIVERY_STATUSES",
     "JOB_STATUSES",
     "KEY",
     "LIVE",
@@ -39,6 +40,7 @@ __all__ = [
     "TARGET_ROWID",
     "TARGET_STATUSES",
     "TERMINAL",
+    "Delivery",
     "Status",
     "UTCDateTime",
     "jobs",
@@ -80,7 +82,19 @@ class Status(str, enum.Enum):
         return self.value
 
 
-def _values(*members: Status) -> tuple[str, ...]:
+class Delivery(str, enum.Enum):
+    """Every status of a job's end notification (a ``batch_outbox`` row): ``pending``
+    (due, or retrying), ``delivered`` or ``failed`` (given up); the one spelling of each."""
+
+    PENDING = "pending"
+    DELIVERED = "delivered"
+    FAILED = "failed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def _values(*members: Status | Delivery) -> tuple[str, ...]:
     return tuple(m.value for m in members)
 
 
@@ -91,6 +105,7 @@ TARGET_STATUSES = _values(Status.PENDING, Status.RUNNING, Status.DONE, Status.FA
 # "Live" is by status, never by lease.
 LIVE = _values(Status.QUEUED, Status.RUNNING)
 TERMINAL = _values(Status.DONE, Status.FAILED, Status.PARTIAL, Status.CANCELLED)
+DELIVERY_STATUSES = _values(*Delivery)
 
 # Key columns are VARCHAR(191) at most: 191 * 4 bytes (utf8mb4) stays within the
 # 767-byte index prefix limit of older InnoDB row formats, so composite keys fit too.
@@ -307,7 +322,7 @@ outbox = Table(
     Column("caller", String(KEY), nullable=False),
     Column("url", Text, nullable=False),
     Column("job_status", String(16), nullable=False),
-    Column("status", String(16), nullable=False),  # pending, delivered, failed
+    Column("status", String(16), nullable=False),  # a Delivery
     Column("attempts", Integer, nullable=False, default=0),
     Column("next_attempt_at", UTCDateTime, nullable=False),
     Column("claimed_by", String(64), nullable=False, default=""),

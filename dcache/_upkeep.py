@@ -15,7 +15,7 @@ from sqlalchemy import Connection, and_, delete, insert, or_, select, update
 
 from ._errors import wrap_errors
 from ._rows import OwnerRow
-from ._schema import LIVE, jobs, outbox, owners, targets, tombstones
+from ._schema import LIVE, Delivery, jobs, outbox, owners, targets, tombstones
 from ._shared import CANCELLED, LIVE_IN, aware_now
 
 TOMBSTONE_TTL = dt.timedelta(days=7)  # how long a purged job's id still answers "expired"
@@ -239,7 +239,8 @@ class Upkeep:
                     # from the row itself then).
                     conn.execute(
                         delete(outbox).where(
-                            outbox.c.job_id.in_(confirmed), outbox.c.status != "pending"
+                            outbox.c.job_id.in_(confirmed),
+                            outbox.c.status != Delivery.PENDING.value,
                         )
                     )
                     gone += conn.execute(delete(jobs).where(jobs.c.id.in_(confirmed))).rowcount

@@ -55,7 +55,7 @@ from ._outbox import message_id, notify_statement
 from ._prepared import Prepared
 from ._reads import release_cursor, short_cursor, watched
 from ._rows import WriteOutcome
-from ._schema import LIVE, UTCDateTime, jobs, targets
+from ._schema import LIVE, Status, UTCDateTime, jobs, targets
 from ._shared import utf8_size
 
 if TYPE_CHECKING:
@@ -67,18 +67,19 @@ if TYPE_CHECKING:
 __all__ = ["MAX_BATCH", "GroupWriter"]
 
 MAX_BATCH = 256  # outcomes committed in one transaction at most
+_FAILED = Status.FAILED.value
 
 
 def _statements() -> tuple[Any, Any, Any]:
     """The write's three statements, from the Core tables (compiled per dialect later)."""
     now = bindparam("now", type_=UTCDateTime)
-    failed = bindparam("failed", type_=jobs.c.targets_failed.type)
+    failed = bindparam("failures", type_=jobs.c.targets_failed.type)  # 1 or 0
     target = (
         update(targets)
         .where(
             targets.c.job_id == bindparam("job_id"),
             targets.c.idx == bindparam("idx"),
-            targets.c.status == literal("pending"),
+            targets.c.status == literal(Status.PENDING.value),
         )
         .values(
             status=bindparam("status"),
@@ -91,7 +92,8 @@ def _statements() -> tuple[Any, Any, Any]:
     )
     live = jobs.c.status.in_([literal(s) for s in LIVE])
     last = and_(
-        jobs.c.status == literal("running"), jobs.c.targets_done + 1 >= jobs.c.targets_total
+        jobs.c.status == literal(Status.RUNNING.value),
+        jobs.c.targets_done + 1 >= jobs.c.targets_total,
     )
     ends = or_(last, not_(live))  # this write ends the job, or the job ended before it
     # Every right-hand side reads only old values: MySQL evaluates SET assignments left to
@@ -118,12 +120,12 @@ def _statements() -> tuple[Any, Any, Any]:
                     (
                         last,
                         case(
-                            (jobs.c.targets_failed + failed == 0, literal("done")),
+                            (jobs.c.targets_failed + failed == 0, literal(Status.DONE.value)),
                             (
                                 jobs.c.targets_failed + failed >= jobs.c.targets_total,
-                                literal("failed"),
+                                literal(Status.FAILED.value),
                             ),
-                            else_=literal("partial"),
+                            else_=literal(Status.PARTIAL.value),
                         ),
                     ),
                     else_=jobs.c.status,
@@ -227,7 +229,7 @@ class GroupWriter:
                 "now": now,
                 "expires_at": now + ttl,
                 "msg_id": message_id(job_id),
-                "failed": 1 if status == "failed" else 0,
+                "failures": 1 if status == _FAILED else 0,
             }
         )
         mutex = self._mutex

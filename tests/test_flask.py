@@ -720,6 +720,36 @@ def test_early_refusal_follows_the_fetchers_own_policy(fetcher_api: Callable[...
     _error(names.post([{"url": ""}], caller="d"), 422, "invalid_targets")
 
 
+@pytest.mark.parametrize("library_fetcher", [True, False])
+def test_a_posted_target_is_checked_once(
+    fetcher_api: Callable[..., Api],
+    make: Make,
+    monkeypatch: pytest.MonkeyPatch,
+    library_fetcher: bool,
+) -> None:
+    """The view checks the targets (and, with the library's Fetcher, their addresses)
+    and submits what it checked: nothing is parsed and checked a second time."""
+    api = fetcher_api(Fetcher()) if library_fetcher else make()[0]
+    checked: list[str] = []
+    check_url = batch.Target._check_url
+
+    def counting(self: batch.Target) -> None:
+        checked.append(self.url)
+        check_url(self)
+
+    monkeypatch.setattr(batch.Target, "_check_url", counting)
+    urls = [f"https://example.org/{i}" for i in range(3)]
+    resp = api.post(
+        [{"url": urls[0]}, {"url": urls[1], "options": {"mode": "raw"}}, {"url": urls[2]}]
+    )
+    assert resp.status_code == 202, resp.get_json()
+    assert checked == urls
+    # Malformed targets are refused by the submit, with the index and field at fault.
+    checked.clear()
+    body = _error(api.post([{"url": urls[0]}, {"url": 7}], caller="b"), 422, "invalid_targets")
+    assert (body["index"], body["field"]) == (1, "url")
+
+
 # -- job-end webhooks (issue 14) --------------------------------------------------------------
 
 

@@ -245,3 +245,38 @@ def test_cancel_job_is_one_compare_and_set_answering_with_the_job(
     finished = runner.wait(job_id, timeout=WAIT)
     assert finished is not None and finished.status == "cancelled"
     assert finished.targets_done == 1  # the in-flight target was stored, the next never ran
+
+
+def test_every_read_shows_the_same_target_in_flight(
+    runner: batch.Runner, fake: FakeFetch, db: dcache.DB
+) -> None:
+    """The runner's reads, its pass-through read and the CLI's store reader agree: the
+    target a running job's drain holds is ``running``, the ones after it ``pending``;
+    once the job has ended, nothing is."""
+    from batch._cli import StoreReader
+
+    fake.block(B)
+    job_id, _ = runner.submit("alice", "free", [{"url": u} for u in (A, B, C)])
+    fake.wait_entered(B)
+    reader = StoreReader(db)
+    shown = ["done", "running", "pending"]
+    for results in (True, False):
+        for read in (runner.status, reader.status):
+            found = read(job_id, results=results)
+            assert found is not None and [t.status for t in found[1]] == shown
+        raw = runner.status_raw(job_id, results=results)
+        assert raw is not None
+        try:
+            assert [t.status for t in raw] == shown
+        finally:
+            raw.close()
+    for idx, status in enumerate(shown):
+        for one in (runner.result, reader.result):
+            target = one(job_id, idx)
+            assert target is not None and target.status == status
+        both = runner.result_raw(job_id, idx)
+        assert both is not None and both[1].status == status
+    fake.release(B)
+    assert runner.wait(job_id, timeout=WAIT) is not None
+    found = runner.status(job_id)
+    assert found is not None and [t.status for t in found[1]] == ["done"] * 3

@@ -71,3 +71,54 @@ def test_the_check_sees_sql_text() -> None:
         pytest.fail(f"{src} is missing")
     hits = _statements_in(src)
     assert [h.split(": ", 1)[1] for h in hits] == ["'SELECT 1'", "'PRAGMA x = '"]
+
+
+# -- statuses --------------------------------------------------------------------------------
+
+STATUS_NAMES = {"queued", "running", "done", "failed", "partial", "cancelled", "pending"}
+DELIVERY_NAMES = {"pending", "delivered", "failed"}
+
+
+def _status_literals_in(source: str, name: str) -> list[str]:
+    """String constants that spell a job, target or notification status, outside the
+    bodies of the enums that define them (``dcache._schema.Status`` and ``Delivery``)."""
+    tree = ast.parse(source, name)
+    skip = _docstrings(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name in ("Status", "Delivery"):
+            skip.update(id(n) for n in ast.walk(node))
+    return [
+        f"{name}:{node.lineno}: {node.value!r}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and node.value in STATUS_NAMES | DELIVERY_NAMES
+        and id(node) not in skip
+    ]
+
+
+def test_statuses_are_spelled_only_by_their_enums() -> None:
+    """The schema, the SQL, the values, the HTTP API and the CLI name a status through
+    ``dcache.Status`` (or ``dcache.Delivery`` for notifications), never as a literal."""
+    import dcache
+
+    assert {s.value for s in dcache.Status} == STATUS_NAMES
+    assert {s.value for s in dcache.Delivery} == DELIVERY_NAMES
+    found = [
+        hit
+        for p in _sources()
+        for hit in _status_literals_in(p.read_text(), str(p.relative_to(ROOT)))
+    ]
+    assert not found, "status spelled outside its enum:\n" + "\n".join(found)
+
+
+def test_the_check_sees_status_literals() -> None:
+    sample = '''
+class Status:
+    DONE = "done"
+
+def f(row):
+    """Whether it is "done"."""
+    return {"status": "failed"} if row.status == "running" else Status.DONE
+'''
+    hits = _status_literals_in(sample, "sample.py")
+    assert sorted(h.split(": ", 1)[1] for h in hits) == ["'failed'", "'running'"]

@@ -218,7 +218,7 @@ def test_the_postgresql_write_locks_the_target_before_the_job(db: DB) -> None:
             error="",
             hint="",
             now=T0,
-            failed=0,
+            failures=0,
             expires_at=T0 + TTL,
             msg_id="msg_" + job.id,
         )

@@ -556,3 +556,23 @@ def test_options_are_stored_in_the_canonical_form_and_read_back_from_either_form
         assert status is not None
         assert status[1][0].options == batch.Options(mode="pdf", grep="price", context=True)
     assert fetched == [batch.Target("https://e.com/a", batch.Options(**opts))]  # type: ignore[arg-type]
+
+
+def test_checked_targets_are_not_checked_again_and_cannot_grow() -> None:
+    """normalize_targets' output, sealed in Checked, comes back as it is (the HTTP view
+    checks a request's targets once and submits them so); a tuple takes no additions."""
+    from batch._values import Checked
+
+    items = batch.normalize_targets(
+        [{"url": "https://example.org/a"}, {"url": "https://example.org/b"}]
+    )
+    sealed = Checked(items)
+    again = batch.normalize_targets(sealed)
+    assert again == items and all(a is b for a, b in zip(again, items, strict=True))
+    assert not hasattr(sealed, "append")
+    # Only the sealed type is trusted: the same targets in a plain list or tuple are checked.
+    bad = batch.Target("")
+    with pytest.raises(batch.InvalidTargetsError, match=r"targets\[0\]"):
+        batch.normalize_targets((bad,))
+    with pytest.raises(batch.InvalidTargetsError, match=r"targets\[0\]"):
+        batch.normalize_targets([bad])
