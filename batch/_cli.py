@@ -205,14 +205,18 @@ def _remember_secret(url: str) -> None:
 
 def _emit(obj: object) -> None:
     """One JSON line on stdout, UTF-8 whatever the locale says (JSON Lines is UTF-8)."""
-    line = json.dumps(obj, ensure_ascii=False) + "\n"
+    _write(json.dumps(obj, ensure_ascii=False) + "\n")
+
+
+def _write(text: str) -> None:
+    """``text`` on stdout as UTF-8, flushed."""
     buffer = getattr(sys.stdout, "buffer", None)
     if buffer is not None:
         sys.stdout.flush()
-        buffer.write(line.encode("utf-8"))
+        buffer.write(text.encode("utf-8"))
         buffer.flush()
     else:
-        sys.stdout.write(line)
+        sys.stdout.write(text)
         sys.stdout.flush()
 
 
@@ -658,20 +662,42 @@ def _cmd_status(args: argparse.Namespace) -> int:
         if args.watch:
             return _watch(store, args)
         # The table shows each result's stored size: no result needs reading for it.
-        found = store.status(args.id, results=args.json)
+        found = store.status(args.id, results=False)
         if found is None:
             _say(f"no job {args.id!r} (unknown, or its lease lapsed)")
             return EXIT_FAILED
         job, targets = found
         if args.json:
-            _emit({"job": job.to_json(), "targets": [t.to_json() for t in targets]})
-            return EXIT_OK
+            return _emit_status(store, job, targets)
         width = terminal_width() if sys.stdout.isatty() else None
         for line in job_lines(job, targets, width):
             print(line)
         return EXIT_OK
 
     return _with_store(args, body)
+
+
+def _emit_status(store: StoreReader, job: Job, targets: list[TargetStatus]) -> int:
+    """``status --json``: the job and every target with its result, as one JSON line,
+    written a target at a time with each result read alone (32 results of 8 MiB are
+    never in memory together).
+
+    ``targets`` is the read without results; a target it shows with a stored result
+    has that result for good, so each one read after it is the one it showed. If the
+    job lapses meanwhile, the line is left unfinished (not valid JSON) and the exit
+    status says so.
+    """
+    head = json.dumps({"job": job.to_json(), "targets": []}, ensure_ascii=False)
+    _write(head[: -len("]}")])
+    for n, brief in enumerate(targets):
+        shown = brief if brief.result_bytes is None else store.result(job.id, brief.idx)
+        if shown is None:
+            _write("\n")
+            _say(f"job {job.id!r} lapsed while its results were read")
+            return EXIT_FAILED
+        _write((", " if n else "") + json.dumps(shown.to_json(), ensure_ascii=False))
+    _write("]}\n")
+    return EXIT_OK
 
 
 def _watch(store: StoreReader, args: argparse.Namespace) -> int:

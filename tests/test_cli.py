@@ -1248,3 +1248,45 @@ def test_the_cli_runs_without_the_optional_extras(tmp_path: Path) -> None:
     )
     assert completion.returncode == 2
     assert "pip install 'batch-dcache[cli]'" in completion.stderr
+
+
+def test_status_json_is_written_a_result_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``status --json`` prints what one read with every result would (byte for byte),
+    but reads and writes the results one at a time: memory holds about one of them."""
+    import tracemalloc
+
+    url = f"sqlite:///{tmp_path / 'big.sqlite3'}"
+    size = 1 << 20  # characters of each result; 2 MiB of UTF-8 ("é")
+
+    def fetch(target: batch.Target) -> batch.Result:
+        if target.url.endswith("/bad"):
+            raise batch.FetchError("nope", hint="a hint ü")
+        return batch.Result("é" * size, {"url": target.url, "ü": ["😀"]})
+
+    urls = [f"https://example.org/{i}" for i in range(8)] + ["https://example.org/bad"]
+    with dcache.DB.open(url) as db, batch.Runner(db, fetch) as runner:
+        job_id, _ = runner.submit("alice", "cli", [{"url": u} for u in urls])
+        assert runner.wait(job_id, timeout=60) is not None
+        found = runner.status(job_id)
+        assert found is not None
+        job, targets = found
+        expected = json.dumps(
+            {"job": job.to_json(), "targets": [t.to_json() for t in targets]}, ensure_ascii=False
+        )
+        del found, targets
+    monkeypatch.setenv("BATCH_DB", url)
+    out = tmp_path / "status.json"
+    with out.open("w", encoding="utf-8") as stdout:
+        monkeypatch.setattr(sys, "stdout", stdout)
+        tracemalloc.start()
+        try:
+            assert _cli.main(["status", job_id, "--json"]) == 0
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert out.read_text("utf-8") == expected + "\n"
+    assert json.loads(expected)["targets"][8]["status"] == "failed"
+    # Eight results of 2 MiB (UTF-8) each: one read holding them all peaks far above this.
+    assert peak < 8 * (2 * size), f"peak {peak / 2**20:.1f} MiB"
