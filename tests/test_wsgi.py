@@ -70,6 +70,21 @@ class Server:
             with exc:
                 return exc.code, json.loads(exc.read()), int(exc.headers["X-Worker-Pid"])
 
+    def raw(
+        self, path: str, caller: str = "alice", headers: dict[str, str] | None = None
+    ) -> tuple[int, Any, bytes, int]:
+        """GET on a fresh connection: (status, headers, body bytes, worker pid)."""
+        req = urllib.request.Request(self.base + path, method="GET")
+        req.add_header("X-Caller", caller)
+        for name, value in (headers or {}).items():
+            req.add_header(name, value)
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return resp.status, resp.headers, resp.read(), int(resp.headers["X-Worker-Pid"])
+        except urllib.error.HTTPError as exc:
+            with exc:
+                return exc.code, exc.headers, exc.read(), int(exc.headers["X-Worker-Pid"])
+
     def concurrently(self, n: int, *args: Any, **kw: Any) -> list[tuple[int, dict[str, Any], int]]:
         """The same request n times at once, from n threads."""
         results: list[Any] = [None] * n
@@ -270,3 +285,45 @@ def test_cancel_through_one_worker_stops_a_job_drained_by_another(server: Server
     status, body, _ = server.request("DELETE", f"/jobs/{job_id}")
     assert status == 409
     assert body["error"]["type"] == "job_finished"
+
+
+def test_conditional_reads_and_content_agree_across_workers(server: Server) -> None:
+    """A finished job's ETag from one worker answers 304 from every other; results=false
+    gives each stored result's size, and /content its bytes, whoever serves the request."""
+    status, body, _ = server.request("POST", "/jobs", {"targets": [{"url": "test://w/e"}]})
+    assert status == 202
+    job_id = body["job"]["id"]
+    server.go("e")
+    status, headers, full, _ = server.raw(f"/jobs/{job_id}?wait=20")
+    assert status == 200 and json.loads(full)["job"]["status"] == "done"
+    etag = headers["ETag"]
+    assert etag
+    answers: list[Any] = [None] * 6
+    barrier = threading.Barrier(len(answers))
+
+    def poll(i: int) -> None:
+        barrier.wait(10)
+        answers[i] = server.raw(
+            f"/jobs/{job_id}", headers={"If-None-Match": etag, "X-Test-Delay": "0.2"}
+        )
+
+    threads = [threading.Thread(target=poll, args=(i,)) for i in range(len(answers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert {(a[0], a[2]) for a in answers} == {(304, b"")}
+    assert len({a[3] for a in answers}) > 1, "one worker answered every poll"
+    assert {a[1]["ETag"] for a in answers} == {etag}
+
+    status, _, brief, _ = server.raw(f"/jobs/{job_id}?results=false")
+    assert status == 200
+    [target] = json.loads(brief)["targets"]
+    stored = json.loads(full)["targets"][0]["result"]
+    assert target["result"] is None
+    assert target["bytes"] == len(json.dumps(stored, ensure_ascii=False).encode())
+    status, headers, content, _ = server.raw(f"/jobs/{job_id}/targets/0/content")
+    assert status == 200
+    assert content == b"content of test://w/e"
+    assert headers["Content-Type"].startswith("text/plain")
+    assert server.raw(f"/jobs/{job_id}/targets/0/content", caller="bob")[0] == 404
