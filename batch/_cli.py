@@ -54,7 +54,7 @@ from ._errors import (
     TooManyTargetsError,
 )
 from ._runner import Fetch, Runner, _job, _target_status
-from ._values import Job, Target, TargetStatus, normalize_targets
+from ._values import Checked, Job, Target, TargetStatus, normalize_targets
 from .fetchers import Fetcher
 
 __all__ = [
@@ -528,7 +528,8 @@ def _run_job(
     show: bool,
 ) -> int:
     try:
-        job_id, reused = runner.submit(args.caller, "cli", items)
+        # Checked when the file was read: the submit takes them as they are.
+        job_id, reused = runner.submit(args.caller, "cli", Checked(items))
     except (InvalidTargetsError, TooManyTargetsError) as exc:
         _say(f"{args.file}: {exc}")
         return EXIT_USAGE
