@@ -685,18 +685,24 @@ def _emit_status(store: StoreReader, job: Job, targets: list[TargetStatus]) -> i
 
     ``targets`` is the read without results; a target it shows with a stored result
     has that result for good, so each one read after it is the one it showed. If the
-    job lapses meanwhile, the line is left unfinished (not valid JSON) and the exit
-    status says so.
+    job lapses meanwhile, or a read fails, the line is ended unfinished (not valid JSON)
+    and the exit status says so.
     """
     head = json.dumps({"job": job.to_json(), "targets": []}, ensure_ascii=False)
     _write(head[: -len("]}")])
-    for n, brief in enumerate(targets):
-        shown = brief if brief.result_bytes is None else store.result(job.id, brief.idx)
-        if shown is None:
-            _write("\n")
-            _say(f"job {job.id!r} lapsed while its results were read")
-            return EXIT_FAILED
-        _write((", " if n else "") + json.dumps(shown.to_json(), ensure_ascii=False))
+    try:
+        for n, brief in enumerate(targets):
+            shown = brief if brief.result_bytes is None else store.result(job.id, brief.idx)
+            if shown is None:
+                _write("\n")
+                _say(f"job {job.id!r} lapsed while its results were read")
+                return EXIT_FAILED
+            _write((", " if n else "") + json.dumps(shown.to_json(), ensure_ascii=False))
+    except BaseException:
+        # A store error (mapped to its exit status by the caller) or an interrupt: end
+        # the line so that whatever reads the output by lines sees where it stopped.
+        _write("\n")
+        raise
     _write("]}\n")
     return EXIT_OK
 

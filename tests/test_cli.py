@@ -10,6 +10,7 @@ import os
 import pty
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -1290,3 +1291,118 @@ def test_status_json_is_written_a_result_at_a_time(
     assert json.loads(expected)["targets"][8]["status"] == "failed"
     # Eight results of 2 MiB (UTF-8) each: one read holding them all peaks far above this.
     assert peak < 8 * (2 * size), f"peak {peak / 2**20:.1f} MiB"
+
+
+def _status_json(
+    url: str, job_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[int, str]:
+    """``batch status JOB --json`` in this process: its exit status and its stdout."""
+    monkeypatch.setenv("BATCH_DB", url)
+    out = tmp_path / "status.json"
+    with out.open("w", encoding="utf-8") as stdout:
+        monkeypatch.setattr(sys, "stdout", stdout)
+        code = _cli.main(["status", job_id, "--json"])
+    return code, out.read_text("utf-8")
+
+
+def test_status_json_of_a_running_job_shows_it_as_the_runner_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Streamed while a target is in flight: the stored results, the target in flight as
+    ``running`` and the rest ``pending``, exactly as one read through the runner shows."""
+    url = f"sqlite:///{tmp_path / 'running.sqlite3'}"
+    started, go = threading.Event(), threading.Event()
+
+    def fetch(target: batch.Target) -> batch.Result:
+        if target.url.endswith("/2"):
+            started.set()
+            assert go.wait(30)
+        return batch.Result(f"body of {target.url}", {"n": target.url[-1]})
+
+    with dcache.DB.open(url) as db, batch.Runner(db, fetch) as runner:
+        job_id, _ = runner.submit(
+            "alice", "cli", [{"url": f"https://example.org/{i}"} for i in range(4)]
+        )
+        assert started.wait(30)
+        try:
+            found = runner.status(job_id)
+            assert found is not None
+            job, targets = found
+            expected = json.dumps(
+                {"job": job.to_json(), "targets": [t.to_json() for t in targets]},
+                ensure_ascii=False,
+            )
+            code, text = _status_json(url, job_id, tmp_path, monkeypatch)
+        finally:
+            go.set()
+        assert runner.wait(job_id, timeout=30) is not None
+    assert (code, text) == (0, expected + "\n")
+    shown = json.loads(text)
+    assert shown["job"]["status"] == "running"
+    assert [t["status"] for t in shown["targets"]] == ["done", "done", "running", "pending"]
+    assert shown["targets"][1]["result"]["content"] == "body of https://example.org/1"
+
+
+def _finished_job(url: str, n: int) -> str:
+    with dcache.DB.open(url) as db, batch.Runner(db, lambda t: batch.Result(t.url)) as runner:
+        job_id, _ = runner.submit(
+            "alice", "cli", [{"url": f"https://example.org/{i}"} for i in range(n)]
+        )
+        assert runner.wait(job_id, timeout=30) is not None
+    return job_id
+
+
+def test_status_json_ends_its_line_and_fails_when_the_job_lapses_midway(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The job is purged (its lease really lapsed) after two results were written: the
+    line is ended unfinished, stderr says why, and the exit status is 1."""
+    url = f"sqlite:///{tmp_path / 'lapse.sqlite3'}"
+    job_id = _finished_job(url, 4)
+    read = _cli.StoreReader.result
+    calls = 0
+
+    def result(self: _cli.StoreReader, job: str, idx: int) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=365)
+            with dcache.DB.open(url) as other:
+                assert other.purge_expired(later) == 1
+        return read(self, job, idx)
+
+    monkeypatch.setattr(_cli.StoreReader, "result", result)
+    code, text = _status_json(url, job_id, tmp_path, monkeypatch)
+    assert code == _cli.EXIT_FAILED
+    assert text.endswith("\n") and text.count("\n") == 1
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text)
+    assert text.count('"content"') == 2
+    assert "lapsed while its results were read" in capsys.readouterr().err
+
+
+def test_status_json_ends_its_line_when_the_database_fails_midway(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A read fails (the targets' table is gone) after one result was written: the line is
+    ended, the error is the usual one-line database error, and the exit status is 1."""
+    url = f"sqlite:///{tmp_path / 'broken.sqlite3'}"
+    job_id = _finished_job(url, 3)
+    read = _cli.StoreReader.result
+    calls = 0
+
+    def result(self: _cli.StoreReader, job: str, idx: int) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            with sqlite3.connect(tmp_path / "broken.sqlite3") as conn:
+                conn.execute("DROP TABLE batch_target")
+        return read(self, job, idx)
+
+    monkeypatch.setattr(_cli.StoreReader, "result", result)
+    code, text = _status_json(url, job_id, tmp_path, monkeypatch)
+    assert code == _cli.EXIT_FAILED
+    assert text.endswith("\n") and text.count("\n") == 1
+    assert text.count('"content"') == 1
+    err = capsys.readouterr().err
+    assert "database error on sqlite:///" in err and "batch_target" in err
