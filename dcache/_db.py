@@ -29,7 +29,7 @@ from ._reads import WebReads
 from ._rows import WriteOutcome
 from ._shared import JOB_COLS, Q_STATUS, Q_STATUS_BRIEF, TARGET_COLS, utcnow
 from ._submit import SubmitQueries
-from ._upkeep import Upkeep
+from ._upkeep import TOMBSTONE_TTL, Upkeep
 from ._writer import GroupWriter
 
 __all__ = ["DB", "Writer", "utcnow"]
@@ -49,6 +49,12 @@ def _check_io_timeout(io_timeout: float | None) -> float | None:
     if not 0 < io_timeout < 86400:
         raise ValueError(f"io_timeout must be more than 0 and less than a day, not {io_timeout!r}")
     return float(io_timeout)
+
+
+def _check_tombstone_ttl(ttl: dt.timedelta) -> dt.timedelta:
+    if not isinstance(ttl, dt.timedelta) or ttl < dt.timedelta(0):
+        raise ValueError(f"tombstone_ttl must be a timedelta of 0 or more, not {ttl!r}")
+    return ttl
 
 
 # What one target row may hold, in bytes, for all its text values together (the room);
@@ -149,6 +155,7 @@ class DB(
         engine: Engine,
         *,
         io_timeout: float | None = None,
+        tombstone_ttl: dt.timedelta = TOMBSTONE_TTL,
         _owns_engine: bool = False,
         _keeper: sqlite3.Connection | None = None,
     ) -> None:
@@ -165,7 +172,12 @@ class DB(
             io_timeout: PostgreSQL and MySQL: seconds a statement may wait for the server
                 before it fails with :class:`StoreUnavailableError`; ``None`` (the default
                 here, as the engine is the caller's) leaves the driver's waits unbounded.
+            tombstone_ttl: how long a purged job's id still answers "expired" (rather
+                than "unknown") after its lease lapsed: the period :meth:`lookup` honours
+                and :meth:`purge_expired` keeps tombstones for (7 days by default). The
+                attribute of the same name may be changed later.
         """
+        self.tombstone_ttl = _check_tombstone_ttl(tombstone_ttl)
         self._owns_engine = _owns_engine
         self._keeper = _keeper
         self.io_timeout = _check_io_timeout(io_timeout)
@@ -211,6 +223,7 @@ class DB(
         connect_timeout: float = 5.0,
         io_timeout: float | None = 10.0,
         pgbouncer: bool = False,
+        tombstone_ttl: dt.timedelta = TOMBSTONE_TTL,
         **engine_options: Any,
     ) -> DB:
         """Open (and create if needed) the store at a SQLAlchemy URL.
@@ -235,6 +248,8 @@ class DB(
                 the query flag ``?pgbouncer=true`` in the URL does the same (it is removed
                 before the URL reaches the driver). Nothing else the store sends is
                 session-level: see :doc:`/deployment`.
+            tombstone_ttl: how long a purged job's id answers "expired" (HTTP ``410``)
+                rather than "unknown" (``404``) after its lease lapsed; 7 days by default.
             **engine_options: passed to :func:`sqlalchemy.create_engine`
                 (``connect_args`` are merged with the store's).
         """
@@ -242,6 +257,7 @@ class DB(
         if sync not in sql.SYNCHRONOUS:
             raise ValueError(f"synchronous must be one of {sql.SYNCHRONOUS}, not {synchronous!r}")
         io_timeout = _check_io_timeout(io_timeout)
+        _check_tombstone_ttl(tombstone_ttl)
         u = make_url(url)
         u, pgbouncer = _pgbouncer_flag(u, pgbouncer)
         if pgbouncer and u.get_backend_name() != "postgresql":
@@ -249,7 +265,9 @@ class DB(
         try:
             if u.get_backend_name() == "sqlite":
                 if u.database in (None, "", ":memory:"):
-                    return cls._memory(busy_timeout, engine_options)
+                    store = cls._memory(busy_timeout, engine_options)
+                    store.tombstone_ttl = tombstone_ttl
+                    return store
                 opts: dict[str, Any] = {
                     "poolclass": QueuePool,
                     "pool_size": 8,
@@ -279,7 +297,7 @@ class DB(
             )
         except sa_exc.SQLAlchemyError as exc:
             raise StoreError(f"cannot open {u!r}: {exc}") from exc
-        return cls(engine, io_timeout=io_timeout, _owns_engine=True)
+        return cls(engine, io_timeout=io_timeout, tombstone_ttl=tombstone_ttl, _owns_engine=True)
 
     @classmethod
     def memory(cls) -> DB:

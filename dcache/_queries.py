@@ -36,6 +36,7 @@ class JobReads:
     if TYPE_CHECKING:
         _engine: Engine
         dialect: str
+        tombstone_ttl: dt.timedelta
 
         def _read(self) -> AbstractContextManager[Connection]: ...
 
@@ -190,8 +191,9 @@ class JobReads:
     def lookup(self, job_id: str, now: dt.datetime | None = None) -> Lookup:
         """Whether a job id is readable, expired (purged or not yet) or unknown.
 
-        One indexed read of the job row and, when it is gone, of its tombstone (kept for
-        ``tombstone_ttl`` after the purge, see :meth:`purge_expired`).
+        One indexed read of the job row and, when it is gone, of its tombstone. A
+        tombstone answers for the store's ``tombstone_ttl`` after the job's lease lapsed,
+        and no longer, even while a backlog of old ones waits for :meth:`purge_expired`.
         """
         if not findable(job_id):
             return Lookup("unknown")
@@ -206,7 +208,8 @@ class JobReads:
                 return Lookup("expired", row.caller, row.expires_at)
             gone = conn.execute(
                 select(tombstones.c.caller, tombstones.c.expired_at).where(
-                    tombstones.c.id == job_id
+                    tombstones.c.id == job_id,
+                    tombstones.c.expired_at >= now - self.tombstone_ttl,
                 )
             ).first()
         if gone is None:

@@ -29,6 +29,7 @@ class Upkeep:
     """The owner, reaping and purge methods of :class:`DB`."""
 
     if TYPE_CHECKING:
+        tombstone_ttl: dt.timedelta
 
         def _control(self) -> AbstractContextManager[Connection]: ...
 
@@ -187,18 +188,20 @@ class Upkeep:
         *,
         limit: int = 500,
         max_batches: int = 100,
-        tombstone_ttl: dt.timedelta = TOMBSTONE_TTL,
+        tombstone_ttl: dt.timedelta | None = None,
     ) -> int:
         """Delete jobs whose lease lapsed (never live ones) with their targets.
 
-        Each deleted job leaves a tombstone (its id, caller and expiry) for
-        ``tombstone_ttl`` (7 days by default), so :meth:`lookup` can tell "expired" from
-        "unknown"; older tombstones are deleted here too. Works in batches of ``limit``
-        jobs, each its own short transaction, so live writers are never blocked for long.
+        Each deleted job leaves a tombstone (its id, caller and expiry), so :meth:`lookup`
+        can tell "expired" from "unknown" for ``tombstone_ttl`` after the lease lapsed (by
+        default the store's, see :meth:`open`); older tombstones are deleted here too.
+        Works in batches of ``limit`` jobs, each its own short transaction, so live
+        writers are never blocked for long.
         Returns how many jobs were deleted.
         """
         now = aware_now(now)
-        self._forget_tombstones(now - tombstone_ttl, limit, max_batches)
+        keep = self.tombstone_ttl if tombstone_ttl is None else tombstone_ttl
+        self._forget_tombstones(now - keep, limit, max_batches)
         gone = 0
         lapsed = and_(jobs.c.expires_at <= now, jobs.c.status.not_in(LIVE))
         # Oldest lease first, by the expiry index: a range that ends at ``now`` and stops

@@ -1648,13 +1648,21 @@ def test_purge_walks_the_expiry_indexes_oldest_first(
 ) -> None:
     """Purge runs every period against the whole table: its searches for lapsed jobs and
     old tombstones are index ranges in index order, so each batch reads about ``limit``
-    rows, however many jobs and targets the store holds (no scan, no sort)."""
-    for caller in "abcdef":
-        assert db.fail_job(created(db, caller=caller, n=3).id, "x", now=T0)
-    created(db, caller="g")  # live: never purged
-    later = T0 + TTL
+    rows, however many jobs and targets the store holds (no scan, no sort), and the jobs
+    whose leases lapsed first go first."""
+    offset = {}
+    for i, caller in enumerate("abcdefgh"):
+        job = created(db, caller=caller, n=3)
+        offset[job.id] = (5 * i) % 8  # a permutation: expiry order is not creation order
+        assert db.fail_job(job.id, "x", now=T0 + dt.timedelta(seconds=offset[job.id]))
+    live = created(db, caller="z")  # never purged
+    # Two tombstones already (offsets 0 and 1), so the tombstone search has rows to plan on.
+    assert db.purge_expired(now=T0 + TTL + dt.timedelta(seconds=1.5)) == 2
+    assert tombstone_count(db) == 2
     captured.clear()
-    assert db.purge_expired(now=later, limit=2, max_batches=1) == 2
+    assert db.purge_expired(now=T0 + TTL + dt.timedelta(seconds=9), limit=2, max_batches=1) == 2
+    left = {r[0] for r in sql(db, "SELECT id FROM batch_job")}
+    assert left == {i for i, o in offset.items() if o >= 4} | {live.id}
     picks = [(s, p) for s, p in captured if "LIMIT" in s.upper()]
     assert len(picks) == 2, captured  # one for old tombstones, one for lapsed jobs
     (tomb, tomb_params), (lapsed, lapsed_params) = picks
@@ -1663,28 +1671,66 @@ def test_purge_walks_the_expiry_indexes_oldest_first(
     assert_index_used(db, lapsed, lapsed_params, "ix_batch_job_expires", sorted_by_it=True)
 
 
-def test_old_tombstones_go_in_bounded_batches(db: DB) -> None:
-    """Each purge deletes at most ``max_batches x limit`` old tombstones; the rest wait for
-    the next one, and a tombstone still within its time keeps answering "expired"."""
+def test_old_tombstones_go_in_bounded_batches_oldest_first(db: DB) -> None:
+    """Each purge deletes at most ``max_batches x limit`` old tombstones, oldest first; the
+    rest wait for the next one. A tombstone answers "expired" for ``TOMBSTONE_TTL`` and
+    no longer, even while it waits to be deleted."""
     ids = []
-    for caller in "abcde":
+    for i, caller in enumerate("abcde"):
         job = created(db, caller=caller, n=1)
-        assert db.fail_job(job.id, "x", now=T0)
+        assert db.fail_job(job.id, "x", now=T0 + dt.timedelta(seconds=i))
         ids.append(job.id)
-    lapsed = T0 + TTL
-    assert db.purge_expired(now=lapsed) == 5
+    assert db.purge_expired(now=T0 + TTL + dt.timedelta(seconds=5)) == 5
     assert tombstone_count(db) == 5
     young = T0 + TTL + dcache.TOMBSTONE_TTL - dt.timedelta(seconds=1)
     assert db.purge_expired(now=young, limit=2, max_batches=1) == 0
     assert tombstone_count(db) == 5
-    old = young + dt.timedelta(seconds=2)
-    assert db.purge_expired(now=old, limit=2, max_batches=1) == 0
-    assert tombstone_count(db) == 3
-    assert db.purge_expired(now=old, limit=2, max_batches=1) == 0
-    assert tombstone_count(db) == 1
-    assert sorted(db.lookup(i, now=old).state for i in ids) == ["expired"] + ["unknown"] * 4
-    assert db.purge_expired(now=old, limit=2) == 0
+    assert {db.lookup(i, now=young).state for i in ids} == {"expired"}
+    # Tombstones 0, 1 and 2 are past their time; 3 and 4 are not.
+    mid = T0 + TTL + dcache.TOMBSTONE_TTL + dt.timedelta(seconds=2.5)
+    assert [db.lookup(i, now=mid).state for i in ids] == ["unknown"] * 3 + ["expired"] * 2
+    assert db.purge_expired(now=mid, limit=2, max_batches=1) == 0
+    assert {r[0] for r in sql(db, "SELECT id FROM batch_tombstone")} == set(ids[2:])
+    assert db.purge_expired(now=mid, limit=2, max_batches=1) == 0
+    assert {r[0] for r in sql(db, "SELECT id FROM batch_tombstone")} == set(ids[3:])
+    assert db.purge_expired(now=mid, limit=2) == 0
+    assert tombstone_count(db) == 2
+    assert [db.lookup(i, now=mid).state for i in ids] == ["unknown"] * 3 + ["expired"] * 2
+    old = mid + dt.timedelta(seconds=10)
+    assert db.purge_expired(now=old) == 0
     assert tombstone_count(db) == 0
+
+
+def test_the_store_keeps_tombstones_for_its_own_tombstone_ttl(db: DB) -> None:
+    """``DB.tombstone_ttl`` (``DB.open(tombstone_ttl=...)``) is the period both lookups and
+    purges honour; a purge may still name another."""
+    job = created(db, n=1)
+    assert db.fail_job(job.id, "x", now=T0)
+    assert db.purge_expired(now=T0 + TTL) == 1
+    db.tombstone_ttl = dt.timedelta(days=30)
+    later = T0 + TTL + dt.timedelta(days=8)
+    assert db.purge_expired(now=later) == 0
+    assert tombstone_count(db) == 1
+    assert db.lookup(job.id, now=later).state == "expired"
+    db.tombstone_ttl = dt.timedelta(days=1)
+    assert db.lookup(job.id, now=later).state == "unknown"
+    assert tombstone_count(db) == 1
+    assert db.purge_expired(now=later, tombstone_ttl=dt.timedelta(days=9)) == 0
+    assert tombstone_count(db) == 1
+    assert db.purge_expired(now=later) == 0
+    assert tombstone_count(db) == 0
+
+
+@pytest.mark.parametrize("url", ["sqlite://", "sqlite:///{tmp}/ttl.sqlite3"])
+def test_open_takes_the_tombstone_ttl_and_refuses_a_bad_one(tmp_path: Path, url: str) -> None:
+    url = url.format(tmp=tmp_path)
+    with DB.open(url, tombstone_ttl=dt.timedelta(hours=1)) as db:
+        assert db.tombstone_ttl == dt.timedelta(hours=1)
+    with DB.open(url) as db:
+        assert db.tombstone_ttl == dcache.TOMBSTONE_TTL
+    for bad in (dt.timedelta(seconds=-1), 3600, None):
+        with pytest.raises(ValueError, match="tombstone_ttl"):
+            DB.open(url, tombstone_ttl=bad)  # type: ignore[arg-type]
 
 
 def test_a_table_made_by_an_older_build_is_refused_with_a_clear_error(tmp_path: Path) -> None:
