@@ -54,7 +54,7 @@ from ._errors import (
     TooManyTargetsError,
 )
 from ._runner import Fetch, Runner, _job, _target_status
-from ._values import Checked, Job, Target, TargetStatus, normalize_targets
+from ._values import Checked, Job, TargetStatus
 from .fetchers import Fetcher
 
 __all__ = [
@@ -102,11 +102,12 @@ class InputError(Exception):
 # -- input -------------------------------------------------------------------------------
 
 
-def read_targets(lines: Iterable[str], source: str = "<stdin>") -> list[Target]:
+def read_targets(lines: Iterable[str], source: str = "<stdin>") -> Checked:
     """Parse targets: one URL a line, or one JSON object a line (``{"url", "options"}``).
 
     Blank lines and lines starting with ``#`` are skipped. Raises :class:`InputError`
     naming the line at fault (bad JSON, an invalid target, a duplicate, no targets).
+    Returns them checked and sealed, so the submit takes them as they are.
     """
     items: list[object] = []
     where: list[int] = []
@@ -131,13 +132,13 @@ def read_targets(lines: Iterable[str], source: str = "<stdin>") -> list[Target]:
     if not items:
         raise InputError(f"{source}: no targets (one URL a line, or JSON lines)")
     try:
-        return normalize_targets(items)
+        return Checked(items)
     except InvalidTargetsError as exc:
         at = f"{source}:{where[exc.index]}" if exc.index is not None else source
         raise InputError(f"{at}: {exc}") from None
 
 
-def _read_file(path: str) -> list[Target]:
+def _read_file(path: str) -> Checked:
     if path == "-":
         # utf-8-sig: a byte-order mark (Windows editors write one) is not part of a URL.
         stdin = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8-sig", errors="strict")
@@ -523,13 +524,12 @@ def _busy(runner: Runner, args: argparse.Namespace, exc: SubmitError) -> None:
 def _run_job(
     runner: Runner,
     args: argparse.Namespace,
-    items: list[Target],
+    items: Checked,
     interrupts: _Interrupts,
     show: bool,
 ) -> int:
     try:
-        # Checked when the file was read: the submit takes them as they are.
-        job_id, reused = runner.submit(args.caller, "cli", Checked(items))
+        job_id, reused = runner.submit(args.caller, "cli", items)
     except (InvalidTargetsError, TooManyTargetsError) as exc:
         _say(f"{args.file}: {exc}")
         return EXIT_USAGE

@@ -200,11 +200,15 @@ _DEFAULT_SAME = tuple(getattr(_DEFAULT_OPTIONS, name) for name in _OPTION_NAMES)
 
 
 class Checked(tuple[Target, ...]):
-    """Targets :func:`normalize_targets` returned, sealed: handed to it again (the HTTP
-    view checks a request's targets before it submits them), they are not checked twice.
+    """Targets checked by :func:`normalize_targets`, sealed: ``Checked(items)`` checks
+    ``items`` (raising as it does) and keeps what it returned; handed to it again (the HTTP
+    view and the CLI check targets before they submit them), they are not checked twice.
     A tuple, so nothing can be added to it after the check."""
 
     __slots__ = ()
+
+    def __new__(cls, items: object) -> Checked:
+        return super().__new__(cls, normalize_targets(items))
 
 
 def normalize_targets(items: object) -> list[Target]:
@@ -213,7 +217,7 @@ def normalize_targets(items: object) -> list[Target]:
     Raises :class:`InvalidTargetsError` naming the index and field at fault: an empty or
     non-list value, an item that is neither, a bad URL or option, or a duplicate.
     """
-    if type(items) is Checked:
+    if type(items) is Checked and items:
         return list(items)  # checked already, and sealed since
     if isinstance(items, (str, bytes, Mapping)) or not isinstance(items, Iterable):
         raise InvalidTargetsError(f"targets must be a list of targets, not {type(items).__name__}")

@@ -54,7 +54,7 @@ from ._errors import (
 from ._metrics import metrics
 from ._openapi import document
 from ._runner import RawStatus, Runner
-from ._values import MAX_KEY_LENGTH, Checked, Job, normalize_targets
+from ._values import MAX_KEY_LENGTH, Checked, Job
 from .fetchers import Fetcher
 
 __all__ = [
@@ -267,12 +267,12 @@ class BatchAPI:
         words and context, after the checks it makes first (caller, notification URL).
         """
         try:
-            items = normalize_targets(targets)
+            items = Checked(targets)
         except InvalidTargetsError:
             return targets
         fetcher = self.runner.fetch
         if not isinstance(fetcher, Fetcher):
-            return Checked(items)  # an app's own fetch: only it knows what it refuses
+            return items  # an app's own fetch: only it knows what it refuses
         for index, target in enumerate(items):
             try:
                 fetcher.check_url(target.url)
@@ -283,7 +283,7 @@ class BatchAPI:
                     f"targets[{index}].url: {exc.message}",
                     context={"index": index, "field": "url", "hint": exc.hint},
                 ) from None
-        return Checked(items)
+        return items
 
     def _unavailable(self, message: str) -> APIError:
         return APIError(

@@ -748,6 +748,9 @@ def test_a_posted_target_is_checked_once(
     checked.clear()
     body = _error(api.post([{"url": urls[0]}, {"url": 7}], caller="b"), 422, "invalid_targets")
     assert (body["index"], body["field"]) == (1, "url")
+    # Checked up to the bad one, by the view and again by the submit that refused the list
+    # (the cost of keeping the submit's order of errors, paid by refused requests only).
+    assert checked == [urls[0], 7] * 2
 
 
 # -- job-end webhooks (issue 14) --------------------------------------------------------------

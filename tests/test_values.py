@@ -559,20 +559,31 @@ def test_options_are_stored_in_the_canonical_form_and_read_back_from_either_form
 
 
 def test_checked_targets_are_not_checked_again_and_cannot_grow() -> None:
-    """normalize_targets' output, sealed in Checked, comes back as it is (the HTTP view
-    checks a request's targets once and submits them so); a tuple takes no additions."""
+    """``Checked(items)`` checks items as normalize_targets does and seals what it returned:
+    handed to normalize_targets, they come back as they are (the HTTP view and the CLI check
+    targets once and submit them so); a tuple takes no additions."""
     from batch._values import Checked
 
-    items = batch.normalize_targets(
-        [{"url": "https://example.org/a"}, {"url": "https://example.org/b"}]
-    )
-    sealed = Checked(items)
+    raw = [{"url": "https://example.org/a"}, {"url": "https://example.org/b"}]
+    sealed = Checked(raw)
+    assert list(sealed) == batch.normalize_targets(raw)
     again = batch.normalize_targets(sealed)
-    assert again == items and all(a is b for a, b in zip(again, items, strict=True))
+    assert again == list(sealed) and all(a is b for a, b in zip(again, sealed, strict=True))
     assert not hasattr(sealed, "append")
-    # Only the sealed type is trusted: the same targets in a plain list or tuple are checked.
+    # Nothing unchecked can be sealed: making one checks it, as normalize_targets does.
     bad = batch.Target("")
+    for items in ([bad], [], "https://example.org/", [raw[0], raw[0]]):
+        with pytest.raises(batch.InvalidTargetsError) as made:
+            Checked(items)
+        with pytest.raises(batch.InvalidTargetsError) as normalized:
+            batch.normalize_targets(items)
+        assert str(made.value) == str(normalized.value)
+    # Only the sealed type is trusted: the same targets in a plain list or tuple are checked.
     with pytest.raises(batch.InvalidTargetsError, match=r"targets\[0\]"):
         batch.normalize_targets((bad,))
     with pytest.raises(batch.InvalidTargetsError, match=r"targets\[0\]"):
         batch.normalize_targets([bad])
+    # An empty sealed tuple (made around the check) is still refused.
+    empty = tuple.__new__(Checked, ())
+    with pytest.raises(batch.InvalidTargetsError, match="must not be empty"):
+        batch.normalize_targets(empty)
