@@ -250,16 +250,43 @@ def test_cancel_job_is_one_compare_and_set_answering_with_the_job(
 def test_every_read_shows_the_same_target_in_flight(
     runner: batch.Runner, fake: FakeFetch, db: dcache.DB
 ) -> None:
-    """The runner's reads, its pass-through read and the CLI's store reader agree: the
-    target a running job's drain holds is ``running``, the ones after it ``pending``;
-    once the job has ended, nothing is."""
+    """The runner's reads, its pass-through read, the HTTP API's streamed answers, the
+    dashboard and the CLI's store reader agree: the target a running job's drain holds is
+    ``running``, the ones after it ``pending``; once the job has ended, nothing is."""
+    from flask import Flask
+
+    from batch import flask as batch_flask
     from batch._cli import StoreReader
+    from batch._dashboard import _in_flight, _progress
+
+    app = Flask("reads")
+    batch_flask.init_app(app, runner, lambda request: ("alice", "free"))
+    http = app.test_client()
+
+    def dashboard() -> list[str]:
+        found = db.job_summary(job_id)
+        assert found is not None
+        job, rows = found
+        progress = [t["status"] for t in _progress(job, rows)["targets"]]
+        flight = _in_flight(job, rows)
+        assert flight == (progress.index("running") if "running" in progress else -1)
+        return progress
+
+    def streamed(query: str) -> list[str]:
+        resp = http.get(f"/jobs/{job_id}{query}")
+        assert resp.status_code == 200 and resp.is_streamed
+        return [t["status"] for t in json.loads(resp.get_data())["targets"]]
 
     fake.block(B)
     job_id, _ = runner.submit("alice", "free", [{"url": u} for u in (A, B, C)])
     fake.wait_entered(B)
     reader = StoreReader(db)
     shown = ["done", "running", "pending"]
+    assert dashboard() == shown
+    assert streamed("") == streamed("?results=false") == shown
+    for idx, status in enumerate(shown):
+        one = http.get(f"/jobs/{job_id}/targets/{idx}")
+        assert one.status_code == 200 and json.loads(one.get_data())["status"] == status
     for results in (True, False):
         for read in (runner.status, reader.status):
             found = read(job_id, results=results)
@@ -280,3 +307,4 @@ def test_every_read_shows_the_same_target_in_flight(
     assert runner.wait(job_id, timeout=WAIT) is not None
     found = runner.status(job_id)
     assert found is not None and [t.status for t in found[1]] == ["done"] * 3
+    assert dashboard() == streamed("") == ["done"] * 3
