@@ -21,13 +21,13 @@ from dcache import (
     JobRow,
     NewTarget,
     PoolExhaustedError,
-    Status,
     StoreError,
     StoreUnavailableError,
     TargetRow,
     WriteOutcome,
 )
-from dcache._rows import in_flight
+from dcache._rows import as_shown, in_flight
+from dcache._schema import CANCELLED, DONE, FAILED, RUNNING
 from dcache._shared import utf8_size
 
 from ._errors import (
@@ -76,9 +76,6 @@ from .events import (
 
 __all__ = ["Fetch", "RawStatus", "Runner", "new_job_id"]
 
-_DONE = Status.DONE.value
-_FAILED = Status.FAILED.value
-_CANCELLED = Status.CANCELLED.value
 
 Fetch = Callable[[Target], Result]
 _R = TypeVar("_R", bound="Runner")
@@ -161,7 +158,7 @@ def _target_status(row: TargetRow, job: JobRow) -> TargetStatus:
     options = decode_options(row.options)
     status = row.status
     if in_flight(job.status, job.targets_done, row.idx, status):
-        status = Status.RUNNING.value
+        status = RUNNING
     return TargetStatus(
         idx=row.idx,
         url=row.url,
@@ -188,10 +185,7 @@ class RawStatus:
     def __iter__(self) -> Iterator[dcache.TargetRow]:
         status, done = self.job.status, self.job.targets_done
         for row in self._stream:
-            if in_flight(status, done, row.idx, row.status):
-                yield attrs.evolve(row, status=Status.RUNNING.value)
-            else:
-                yield row
+            yield as_shown(status, done, row)
 
     def close(self) -> None:
         """Give the read's connection back (idempotent)."""
@@ -692,7 +686,7 @@ class Runner:
                                 fields["status"],
                                 store_started - fetch_started,
                                 time.monotonic() - store_started,
-                                len(fields.get("result") or "") if fields["status"] == _DONE else 0,
+                                len(fields.get("result") or "") if fields["status"] == DONE else 0,
                             )
                         )
                     if not outcome.running:
@@ -712,11 +706,11 @@ class Runner:
                 # Its end could not be recorded (the store gave up, or a crash): announce
                 # what the store will say once it answers, so every drain has one end.
                 if drain.shutdown:
-                    self._finished(drain, _FAILED, "shutdown")
+                    self._finished(drain, FAILED, "shutdown")
                 elif drain.stop.is_set():
-                    self._finished(drain, _CANCELLED)
+                    self._finished(drain, CANCELLED)
                 else:
-                    self._finished(drain, _FAILED, "store unavailable")
+                    self._finished(drain, FAILED, "store unavailable")
             with self._lock:
                 self._drains.pop(job_id, None)
                 # The thread lives a moment longer: wait() joins it from here.
@@ -743,7 +737,7 @@ class Runner:
         now = self._clock()
         try:
             if drain.shutdown and self._db.fail_job(drain.job_id, "shutdown", now=now):
-                self._finished(drain, _FAILED, "shutdown")
+                self._finished(drain, FAILED, "shutdown")
             elif self._db.mark_finished(drain.job_id, now=now):
                 job = self._db.get_job(drain.job_id, now=now)
                 if job is not None:
@@ -817,7 +811,7 @@ class Runner:
                 target.url,
                 extra={"job_id": job_id},
             )
-            return {"status": _FAILED, "error": f"FetchTimeout: no result within {seconds:g} s"}
+            return {"status": FAILED, "error": f"FetchTimeout: no result within {seconds:g} s"}
         ok, value = box[0]
         if not ok:
             return self._fetch_failed(job_id, idx, target, value)
@@ -829,7 +823,7 @@ class Runner:
         """The fields to store for a fetch that raised (anything, SystemExit included)."""
         if isinstance(exc, FetchError):
             return {
-                "status": _FAILED,
+                "status": FAILED,
                 "error": _storable(exc.message),
                 "hint": _storable(exc.hint),
             }
@@ -841,18 +835,18 @@ class Runner:
             exc_info=exc,
             extra={"job_id": job_id},
         )
-        return {"status": _FAILED, "error": _storable(_describe(exc))}
+        return {"status": FAILED, "error": _storable(_describe(exc))}
 
     def _fields_of(self, res: object) -> dict[str, Any]:
         """The fields to store for what a fetch returned."""
         if not isinstance(res, Result):
             return {
-                "status": _FAILED,
+                "status": FAILED,
                 "error": f"TypeError: fetch returned {type(res).__name__}, not batch.Result",
             }
         if not isinstance(res.content, str) or not isinstance(res.meta, dict):
             return {
-                "status": _FAILED,
+                "status": FAILED,
                 "error": "TypeError: Result.content must be str and Result.meta a dict",
             }
         # json encodes what it cannot decode again: refuse it here, not on every read
@@ -865,12 +859,12 @@ class Runner:
             too_deep = True
         except (TypeError, ValueError) as exc:
             return {
-                "status": _FAILED,
+                "status": FAILED,
                 "error": _storable(f"{_describe(exc)} (result not storable)"),
             }
         if too_deep:
             return {
-                "status": _FAILED,
+                "status": FAILED,
                 "error": f"ResultTooDeep: meta nests more than {MAX_META_DEPTH} levels",
             }
         # The smaller of the configured limit and what this backend holds with any content
@@ -878,10 +872,10 @@ class Runner:
         limit = min(self._config.max_result_bytes, self._db.max_result_bytes)
         if size > limit:
             return {
-                "status": _FAILED,
+                "status": FAILED,
                 "error": f"ResultTooLarge: result is {size} bytes, at most {limit} allowed",
             }
-        return {"status": _DONE, "result": payload}
+        return {"status": DONE, "result": payload}
 
     def _store(
         self, writer: dcache.Writer, job_id: str, idx: int, fields: dict[str, Any]
@@ -937,7 +931,7 @@ class Runner:
             )
         except StoreError as exc:
             self._store_failed("write_target", exc)
-            if fields["status"] == _DONE:
+            if fields["status"] == DONE:
                 # The database refused this result: store the target as failed instead.
                 self._log.error(
                     "job %s target %d: result refused by the store",
@@ -951,7 +945,7 @@ class Runner:
                     job_id,
                     idx,
                     {
-                        "status": _FAILED,
+                        "status": FAILED,
                         "error": _storable(f"StoreError: result refused: {exc}", 2000),
                     },
                 )
@@ -1147,9 +1141,7 @@ class Runner:
         if found is None:
             return None
         row, target = found
-        if in_flight(row.status, row.targets_done, target.idx, target.status):
-            target = attrs.evolve(target, status=Status.RUNNING.value)
-        return _job(row), target
+        return _job(row), as_shown(row.status, row.targets_done, target)
 
     def result_slice(self, job_id: str, idx: int, start: int, length: int) -> str | None:
         """Characters ``start`` to ``start + length`` of a target's stored result text.

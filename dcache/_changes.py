@@ -16,8 +16,8 @@ from sqlalchemy import Connection, and_, or_, select, update
 from ._errors import wrap_errors
 from ._outbox import queue_notification
 from ._rows import WriteOutcome
-from ._schema import LIVE, Status, jobs
-from ._shared import CANCELLED, aware_now, findable
+from ._schema import CANCELLED, LIVE, Status, jobs
+from ._shared import aware_now, findable
 from ._writer import GroupWriter
 
 

@@ -26,8 +26,8 @@ from ._errors import is_store_failure, translate, wrap_errors
 from ._outbox import read_notification
 from ._prepared import Prepared
 from ._rows import JobRow, NotificationRow, TargetRow
-from ._schema import LIVE, UTCDateTime, jobs
-from ._shared import CANCELLED, JOB_COLS, aware_now, findable, job_from, job_row, visible
+from ._schema import CANCELLED, LIVE, UTCDateTime, jobs
+from ._shared import JOB_COLS, aware_now, findable, job_from, job_row, visible
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager

@@ -7,7 +7,7 @@ from typing import Literal
 
 import attrs
 
-from ._schema import LIVE, Delivery, Status
+from ._schema import LIVE, PENDING, RUNNING, Delivery
 
 __all__ = [
     "JobRow",
@@ -18,11 +18,9 @@ __all__ = [
     "SubmitOutcome",
     "TargetRow",
     "WriteOutcome",
+    "as_shown",
     "in_flight",
 ]
-
-_RUNNING = Status.RUNNING.value
-_PENDING = Status.PENDING.value
 
 
 def in_flight(job_status: str, targets_done: int, idx: int, target_status: str) -> bool:
@@ -33,7 +31,14 @@ def in_flight(job_status: str, targets_done: int, idx: int, target_status: str) 
     ``targets_done``. The runner, the HTTP API, the CLI and the dashboard show it as
     ``running`` (a status no stored target has): this is the one place that rule lives.
     """
-    return job_status == _RUNNING and idx == targets_done and target_status == _PENDING
+    return job_status == RUNNING and idx == targets_done and target_status == PENDING
+
+
+def as_shown(job_status: str, targets_done: int, row: TargetRow) -> TargetRow:
+    """A stored target row as the reads show it: ``running`` while it is in flight."""
+    if in_flight(job_status, targets_done, row.idx, row.status):
+        return attrs.evolve(row, status=RUNNING)
+    return row
 
 
 @attrs.frozen

@@ -31,11 +31,18 @@ from sqlalchemy.sql.functions import FunctionElement
 from sqlalchemy.types import TypeDecorator, TypeEngine
 
 __all__ = [
+    "CANCELLED",
     "DELIVERY_STATUSES",
+    "DONE",
+    "FAILED",
     "JOB_STATUSES",
     "KEY",
     "LIVE",
     "NOPAD_COLLATIONS",
+    "PARTIAL",
+    "PENDING",
+    "QUEUED",
+    "RUNNING",
     "SCHEMA_VERSION",
     "TARGET_ROWID",
     "TARGET_STATUSES",
@@ -92,6 +99,17 @@ class Delivery(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+# The plain strings rows hold, one name each, for the code that compares or builds them
+# (a member compares equal to its string; these cost no enum lookup on the hot paths).
+QUEUED = Status.QUEUED.value
+RUNNING = Status.RUNNING.value
+DONE = Status.DONE.value
+FAILED = Status.FAILED.value
+PARTIAL = Status.PARTIAL.value
+CANCELLED = Status.CANCELLED.value
+PENDING = Status.PENDING.value
 
 
 def _values(*members: Status | Delivery) -> tuple[str, ...]:

@@ -15,9 +15,7 @@ import attrs
 from sqlalchemy import Row, bindparam, func, literal_column, null, or_, select
 
 from ._rows import JobRow
-from ._schema import LIVE, Status, UTCDateTime, jobs, result_bytes, targets
-
-CANCELLED = Status.CANCELLED.value
+from ._schema import LIVE, UTCDateTime, jobs, result_bytes, targets
 
 
 def utcnow() -> dt.datetime:

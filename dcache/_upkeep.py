@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection, and_, delete, insert, or_, select, update
 
 from ._errors import wrap_errors
+from ._outbox import PENDING as UNDELIVERED
 from ._rows import OwnerRow
-from ._schema import LIVE, Delivery, jobs, outbox, owners, targets, tombstones
-from ._shared import CANCELLED, LIVE_IN, aware_now
+from ._schema import CANCELLED, LIVE, jobs, outbox, owners, targets, tombstones
+from ._shared import LIVE_IN, aware_now
 
 TOMBSTONE_TTL = dt.timedelta(days=7)  # how long a purged job's id still answers "expired"
 
@@ -243,7 +244,7 @@ class Upkeep:
                     conn.execute(
                         delete(outbox).where(
                             outbox.c.job_id.in_(confirmed),
-                            outbox.c.status != Delivery.PENDING.value,
+                            outbox.c.status != UNDELIVERED,
                         )
                     )
                     gone += conn.execute(delete(jobs).where(jobs.c.id.in_(confirmed))).rowcount

@@ -55,7 +55,7 @@ from ._outbox import message_id, notify_statement
 from ._prepared import Prepared
 from ._reads import release_cursor, short_cursor, watched
 from ._rows import WriteOutcome
-from ._schema import LIVE, Status, UTCDateTime, jobs, targets
+from ._schema import FAILED, LIVE, Status, UTCDateTime, jobs, targets
 from ._shared import utf8_size
 
 if TYPE_CHECKING:
@@ -67,7 +67,6 @@ if TYPE_CHECKING:
 __all__ = ["MAX_BATCH", "GroupWriter"]
 
 MAX_BATCH = 256  # outcomes committed in one transaction at most
-_FAILED = Status.FAILED.value
 
 
 def _statements() -> tuple[Any, Any, Any]:
@@ -229,7 +228,7 @@ class GroupWriter:
                 "now": now,
                 "expires_at": now + ttl,
                 "msg_id": message_id(job_id),
-                "failures": 1 if status == _FAILED else 0,
+                "failures": 1 if status == FAILED else 0,
             }
         )
         mutex = self._mutex
