@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -1352,6 +1352,22 @@ def _finished_job(url: str, n: int) -> str:
     return job_id
 
 
+def _before_result_read(monkeypatch: pytest.MonkeyPatch, nth: int, act: Callable[[], None]) -> None:
+    """Run ``act`` (a real change to the database) just before the CLI's ``nth`` read of
+    one target's result."""
+    read = _cli.StoreReader.result
+    calls = 0
+
+    def result(self: _cli.StoreReader, job: str, idx: int) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == nth:
+            act()
+        return read(self, job, idx)
+
+    monkeypatch.setattr(_cli.StoreReader, "result", result)
+
+
 def test_status_json_ends_its_line_and_fails_when_the_job_lapses_midway(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -1359,19 +1375,13 @@ def test_status_json_ends_its_line_and_fails_when_the_job_lapses_midway(
     line is ended unfinished, stderr says why, and the exit status is 1."""
     url = f"sqlite:///{tmp_path / 'lapse.sqlite3'}"
     job_id = _finished_job(url, 4)
-    read = _cli.StoreReader.result
-    calls = 0
 
-    def result(self: _cli.StoreReader, job: str, idx: int) -> Any:
-        nonlocal calls
-        calls += 1
-        if calls == 3:
-            later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=365)
-            with dcache.DB.open(url) as other:
-                assert other.purge_expired(later) == 1
-        return read(self, job, idx)
+    def lapse() -> None:
+        later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=365)
+        with dcache.DB.open(url) as other:
+            assert other.purge_expired(later) == 1
 
-    monkeypatch.setattr(_cli.StoreReader, "result", result)
+    _before_result_read(monkeypatch, 3, lapse)
     code, text = _status_json(url, job_id, tmp_path, monkeypatch)
     assert code == _cli.EXIT_FAILED
     assert text.endswith("\n") and text.count("\n") == 1
@@ -1388,18 +1398,12 @@ def test_status_json_ends_its_line_when_the_database_fails_midway(
     ended, the error is the usual one-line database error, and the exit status is 1."""
     url = f"sqlite:///{tmp_path / 'broken.sqlite3'}"
     job_id = _finished_job(url, 3)
-    read = _cli.StoreReader.result
-    calls = 0
 
-    def result(self: _cli.StoreReader, job: str, idx: int) -> Any:
-        nonlocal calls
-        calls += 1
-        if calls == 2:
-            with sqlite3.connect(tmp_path / "broken.sqlite3") as conn:
-                conn.execute("DROP TABLE batch_target")
-        return read(self, job, idx)
+    def break_it() -> None:
+        with sqlite3.connect(tmp_path / "broken.sqlite3") as conn:
+            conn.execute("DROP TABLE batch_target")
 
-    monkeypatch.setattr(_cli.StoreReader, "result", result)
+    _before_result_read(monkeypatch, 2, break_it)
     code, text = _status_json(url, job_id, tmp_path, monkeypatch)
     assert code == _cli.EXIT_FAILED
     assert text.endswith("\n") and text.count("\n") == 1
