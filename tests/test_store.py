@@ -13,7 +13,7 @@ import re
 import sqlite3
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from sqlalchemy import inspect as sa_inspect
 
 import dcache
 from dcache import DB, JobRow, NewTarget, SubmitOutcome
-from dcache._schema import owners, targets
+from dcache._schema import jobs, owners, targets
 
 UTC = dt.timezone.utc
 T0 = dt.datetime(2030, 1, 1, tzinfo=UTC)
@@ -1591,16 +1591,45 @@ def captured(db: DB) -> Iterator[list[tuple[str, Any]]]:
 LOOKUPS: dict[str, str | tuple[str, ...]] = {
     "live_batch_jobs": "ix_batch_job_caller_status",
     "live_batch_jobs_total": "ix_batch_job_status",
-    "batch_job_by_idem": ("ix_batch_job_idem", "ix_batch_job_caller_status"),
+    "batch_job_by_idem": "ix_batch_job_idem",
 }
 
 
+def finished_jobs(db: DB, n: int, callers: Sequence[str]) -> None:
+    """Add ``n`` finished jobs, a quarter of them shared out among ``callers`` and the rest
+    of one caller each (copies of a stored row, written straight to the table), and refresh
+    the planner's statistics: a store's table as production has it, where only the
+    selective index is cheap, not a few rows any index serves."""
+
+    def caller(i: int) -> str:
+        return callers[i % len(callers)] if i < n // 4 else f"bulk-{i}"
+
+    with db.engine.begin() as conn:
+        model = dict(conn.execute(select(jobs).limit(1)).mappings().one())
+        rows = [
+            {**model, "id": f"bulk{i:028d}", "caller": caller(i), "status": "done"}
+            | {"idem_key": hashlib.sha256(str(i).encode()).hexdigest()}
+            for i in range(n)
+        ]
+        conn.execute(jobs.insert(), rows)
+    with db.engine.begin() as conn:
+        if db.dialect == "postgresql":
+            conn.exec_driver_sql("ANALYZE batch_job")
+        elif db.dialect == "mysql":
+            conn.exec_driver_sql("ANALYZE TABLE batch_job")
+        else:
+            conn.exec_driver_sql("ANALYZE")
+
+
 def test_the_submit_lookups_use_an_index(db: DB, captured: list[tuple[str, Any]]) -> None:
-    """The submit transaction runs these under the global lock: a table scan would serialise."""
+    """The submit transaction runs these under the global lock: a table scan would
+    serialise. Each is served by its own index, by a range of it, on a table of many
+    callers' finished jobs."""
     for caller in ("a", "b", "c"):
         job = created(db, caller=caller)
         db.cancel(job.id, now=T0)
         created(db, caller=caller)
+    finished_jobs(db, 2000, ("a", "b", "c"))
     for lookup, index in LOOKUPS.items():
         captured.clear()
         if lookup == "live_batch_jobs":
@@ -1620,9 +1649,8 @@ def assert_index_used(
     serves it (and, with ``sorted_by_it``, its ORDER BY too: no sort step, so a LIMIT stops
     the index walk).
 
-    Name every index a planner may fairly pick: with a handful of rows, PostgreSQL serves
-    the idempotency lookup (caller and key) through the caller's status index as readily
-    as through the key's, both keyed by caller first.
+    On a table of a handful of rows a planner may serve a lookup through any index (a
+    full walk of one with a filter costs nothing there): give the table rows first.
     """
     names = (index,) if isinstance(index, str) else index
 
@@ -1637,6 +1665,12 @@ def assert_index_used(
             sorts = [step for step in plan if "TEMP B-TREE" in step]
         elif db.dialect == "postgresql":
             conn.exec_driver_sql("SET LOCAL enable_seqscan = off")
+            if sorted_by_it:
+                # On a table of a few rows the planner may as well sort what a bitmap scan
+                # found (it did, in CI, with stats left by earlier tests): ask whether an
+                # ordered walk of the index exists, the plan a large table gets.
+                conn.exec_driver_sql("SET LOCAL enable_sort = off")
+                conn.exec_driver_sql("SET LOCAL enable_bitmapscan = off")
             plan = [r[0] for r in conn.exec_driver_sql("EXPLAIN " + statement, params)]
             assert any("Index" in step and named(step) for step in plan), plan
             assert not any("Seq Scan" in step for step in plan), plan
@@ -1644,7 +1678,8 @@ def assert_index_used(
         else:
             rows = conn.exec_driver_sql("EXPLAIN " + statement, params).mappings().all()
             assert all(r["key"] and r["type"] != "ALL" for r in rows), rows
-            assert any(r["key"] in names for r in rows), rows
+            # "ix_a|ix_b": MariaDB reads ix_a and filters by a rowid filter built from ix_b.
+            assert any(r["key"].split("|")[0] in names for r in rows), rows
             sorts = [r for r in rows if "filesort" in (r["Extra"] or "")]
         if sorted_by_it:
             assert not sorts, sorts
