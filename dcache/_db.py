@@ -480,15 +480,24 @@ class Writer:
 
     def __init__(self, db: DB) -> None:
         self._db = db
+        self._open = False
 
     def __enter__(self) -> Writer:
+        if not self._open:
+            # Open, the group writer expects this drain's outcomes (a leader waits a
+            # moment for them: see GroupWriter._gather).
+            self._db._group.opened()
+            self._open = True
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
-        """Nothing to give back (kept for the context-manager protocol)."""
+        """The group writer no longer waits for this drain's outcomes. Idempotent."""
+        if self._open:
+            self._open = False
+            self._db._group.closed()
 
     def write_target(
         self,

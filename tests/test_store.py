@@ -823,6 +823,65 @@ def test_concurrent_drains_share_commits_and_each_gets_its_own_answer(db: DB) ->
     assert commits <= 64  # one per write at worst; shared whenever writers overlap
 
 
+def test_a_leader_waits_for_the_outcomes_of_the_other_open_writers(
+    db: DB, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two drains' writers open: the first outcome's leader waits for the second's, and
+    both commit in one transaction (a slice long enough that timing cannot split them)."""
+    from dcache import _writer
+
+    monkeypatch.setattr(_writer, "GATHER_SLICE", 30.0)
+    monkeypatch.setattr(_writer, "GATHER_MAX", 30.0)
+    first, second = created(db, caller="a", n=2), created(db, caller="b", n=2)
+    group = db._group
+    commits_before = group.commits
+    with db.writer() as w1, db.writer() as w2:
+        answers: list[dcache.WriteOutcome] = []
+        leader = threading.Thread(
+            target=lambda: answers.append(
+                w1.write_target(first.id, 0, status="done", ttl=TTL, now=T0)
+            )
+        )
+        leader.start()
+        while not group._gathering:  # the leader waits for w2's outcome
+            assert leader.is_alive()
+            threading.Event().wait(0.001)
+        assert w2.write_target(second.id, 0, status="done", ttl=TTL, now=T0).stored
+        leader.join(10)
+        assert [a.stored for a in answers] == [True]
+    assert group.commits - commits_before == 1
+    assert group._open == 0
+
+
+def test_a_leader_waits_one_slice_for_an_open_writer_that_does_not_write(
+    db: DB, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A drain whose fetch is slow costs the others one slice, not its fetch's time; a
+    lone writer, or a writer closed twice, waits for nobody."""
+    import time
+
+    from dcache import _writer
+
+    monkeypatch.setattr(_writer, "GATHER_SLICE", 1.0)
+    monkeypatch.setattr(_writer, "GATHER_MAX", 30.0)
+    job = created(db, n=3)
+    idle = db.writer()
+    idle.__enter__()
+    try:
+        with db.writer() as writer:
+            t0 = time.monotonic()
+            assert writer.write_target(job.id, 0, status="done", ttl=TTL, now=T0).stored
+            assert 0.9 <= time.monotonic() - t0 < 10
+    finally:
+        idle.close()
+        idle.close()
+    assert db._group._open == 0
+    with db.writer() as writer:
+        t0 = time.monotonic()
+        assert writer.write_target(job.id, 1, status="done", ttl=TTL, now=T0).stored
+        assert time.monotonic() - t0 < 0.9  # no slice waited
+
+
 def test_an_outcome_the_database_refuses_does_not_fail_the_others_in_its_batch(db: DB) -> None:
     """One refused result (too large for the server, say) is answered alone; the rest commit."""
     good = [created(db, caller=f"g{i}", n=1) for i in range(6)]
