@@ -236,9 +236,23 @@ def wipe(url: str) -> None:
     db = dcache.DB.open(url)
     try:
         with db.engine.begin() as conn:
-            conn.execute(text("DELETE FROM batch_target"))
-            conn.execute(text("DELETE FROM batch_job"))
-            conn.execute(text("DELETE FROM batch_owner"))
+            if db.dialect == "postgresql":
+                # DELETE would leave every row of the last run behind as a dead tuple until
+                # a vacuum (autovacuum may be off, as on the CI machines): run after run the
+                # tables bloat and the plans go wrong (a parallel scan for a keyed read of 32
+                # rows: 30 ms). TRUNCATE gives the space back at once.
+                conn.execute(
+                    text(
+                        "TRUNCATE batch_target, batch_outbox, batch_tombstone, batch_job, "
+                        "batch_owner"
+                    )
+                )
+            else:
+                conn.execute(text("DELETE FROM batch_target"))
+                conn.execute(text("DELETE FROM batch_outbox"))
+                conn.execute(text("DELETE FROM batch_tombstone"))
+                conn.execute(text("DELETE FROM batch_job"))
+                conn.execute(text("DELETE FROM batch_owner"))
             conn.execute(text("DELETE FROM batch_lock WHERE name <> 'global'"))
     finally:
         db.close()
