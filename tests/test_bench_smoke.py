@@ -112,13 +112,19 @@ def test_each_measurement_runs_at_toy_size(case: str, tmp_path: Path) -> None:
             assert r["value"] > 0, r  # (RSS need not grow for a toy read)
 
 
-def test_growth_prefill_and_measurement(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A prefilled store is made, reused, cleaned of the measurement's jobs, and measured."""
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_growth_prefill_and_measurement(
+    backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefilled store is made, reused, cleaned of the measurement's jobs (and, on
+    PostgreSQL, vacuumed of them), and measured."""
     monkeypatch.setenv("BENCH_CACHE_DIR", str(tmp_path / "cache"))
-    be = BACKENDS["sqlite"]
-    url = _prefill.growth_url(be, "", 100, str(tmp_path))
-    assert _prefill.ensure(be, url, 100).startswith("prefilled")
-    rows = _cases.run(Spec("growth/100", "sqlite", url, TINY, str(tmp_path), {"prefill": 100}))
+    be = BACKENDS[backend]
+    server = _bench_url(backend) if be.server else ""
+    url = _prefill.growth_url(be, server, 100, str(tmp_path))
+    made = _prefill.ensure(be, url, 100)
+    assert made.startswith("prefilled" if not be.server else ("prefilled", "reused"))
+    rows = _cases.run(Spec("growth/100", backend, url, TINY, str(tmp_path), {"prefill": 100}))
     assert {r["row"] for r in rows} == {
         "growth-drain/10^2",
         "growth-submit-p50/10^2",
