@@ -51,9 +51,15 @@ def _check_io_timeout(io_timeout: float | None) -> float | None:
     return float(io_timeout)
 
 
+# Tombstones are kept at most this long: ``now - tombstone_ttl`` must stay a date.
+_MAX_TOMBSTONE_TTL = dt.timedelta(days=100 * 365)
+
+
 def _check_tombstone_ttl(ttl: dt.timedelta) -> dt.timedelta:
-    if not isinstance(ttl, dt.timedelta) or ttl < dt.timedelta(0):
-        raise ValueError(f"tombstone_ttl must be a timedelta of 0 or more, not {ttl!r}")
+    if not isinstance(ttl, dt.timedelta) or not dt.timedelta(0) <= ttl <= _MAX_TOMBSTONE_TTL:
+        raise ValueError(
+            f"tombstone_ttl must be a timedelta from 0 to 100 years (36,500 days), not {ttl!r}"
+        )
     return ttl
 
 
@@ -174,8 +180,10 @@ class DB(
                 here, as the engine is the caller's) leaves the driver's waits unbounded.
             tombstone_ttl: how long a purged job's id still answers "expired" (rather
                 than "unknown") after its lease lapsed: the period :meth:`lookup` honours
-                and :meth:`purge_expired` keeps tombstones for (7 days by default). The
-                attribute of the same name may be changed later.
+                and :meth:`purge_expired` keeps tombstones for (7 days by default, 100
+                years at most). The attribute of the same name may be changed later. It is
+                not stored in the database: give every process that purges (runners, and
+                ``batch purge``, which uses the default) the same period.
         """
         self.tombstone_ttl = _check_tombstone_ttl(tombstone_ttl)
         self._owns_engine = _owns_engine
@@ -453,7 +461,11 @@ class DB(
     # -- the drain's write --------------------------------------------------------------
 
     def writer(self) -> Writer:
-        """A drain's writer (a context manager); it holds no connection of its own."""
+        """A drain's writer; it holds no connection of its own.
+
+        Use it in a ``with`` block: while it is open, the group writer counts on its
+        outcomes and a commit may wait a moment (at most 2 ms) for them to arrive.
+        """
         return Writer(self)
 
     def _write_connection(self) -> Connection:

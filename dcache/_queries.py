@@ -191,9 +191,9 @@ class JobReads:
     def lookup(self, job_id: str, now: dt.datetime | None = None) -> Lookup:
         """Whether a job id is readable, expired (purged or not yet) or unknown.
 
-        One indexed read of the job row and, when it is gone, of its tombstone. A
-        tombstone answers for the store's ``tombstone_ttl`` after the job's lease lapsed,
-        and no longer, even while a backlog of old ones waits for :meth:`purge_expired`.
+        One indexed read of the job row and, when it is gone, of its tombstone. A lapsed
+        job answers "expired" for the store's ``tombstone_ttl`` after its lease lapsed,
+        and no longer, whether :meth:`purge_expired` has deleted it yet or not.
         """
         if not findable(job_id):
             return Lookup("unknown")
@@ -205,7 +205,9 @@ class JobReads:
             if row is not None:
                 if row.status in LIVE or row.expires_at > now:
                     return Lookup("found", row.caller)
-                return Lookup("expired", row.caller, row.expires_at)
+                if row.expires_at >= now - self.tombstone_ttl:
+                    return Lookup("expired", row.caller, row.expires_at)
+                return Lookup("unknown")  # lapsed longer ago than a tombstone is kept
             gone = conn.execute(
                 select(tombstones.c.caller, tombstones.c.expired_at).where(
                     tombstones.c.id == job_id,

@@ -273,9 +273,11 @@ class GroupWriter:
             self._open += 1
 
     def closed(self) -> None:
-        """A drain's writer closed."""
+        """A drain's writer closed: a leader waiting for its outcome stops waiting."""
         with self._mutex:
             self._open -= 1
+            if self._gathering:
+                self._arrived.notify()
 
     def _gather(self) -> None:
         """(Leader, holding _mutex.) Wait a moment for the other open drains' outcomes.
@@ -288,12 +290,12 @@ class GroupWriter:
         at all for a lone drain. A drain whose fetch is slow costs the others one slice.
         """
         queued = self._queued
-        if len(queued) >= self._open:
+        if len(queued) >= min(self._open, MAX_BATCH):
             return
         deadline = time.monotonic() + GATHER_MAX
         self._gathering = True
         try:
-            while len(queued) < self._open:
+            while len(queued) < min(self._open, MAX_BATCH):
                 seen = len(queued)
                 left = deadline - time.monotonic()
                 if left <= 0:

@@ -168,19 +168,29 @@ def test_wipe_empties_every_table_and_postgresql_gets_its_space_back(
     no dead tuples behind (autovacuum may be off), so runs do not bloat the tables."""
     spec = _spec(tmp_path, "drain/store", backend)
     wipe(spec.url)
+    long_ago = dt.datetime(2020, 1, 1, tzinfo=dt.timezone.utc)
     with dcache.DB.open(spec.url) as db:
-        made = db.submit(
-            job_id=new_id(),
-            caller="smoke-" + new_id(),
-            caller_class="smoke",
-            idem_key="k" * 64,
-            targets=[dcache.NewTarget(f"https://example.com/{i}") for i in range(3)],
-            ttl=dt.timedelta(minutes=5),
-            jobs_per_caller=1,
-            jobs_total=100,
-        )
-        assert made.kind == "created" and made.job is not None
-        assert db.fail_job(made.job.id, "x")
+        # Rows in every table: a failed job with its announcement queued (the outbox), and
+        # a job that lapsed long ago, purged (a tombstone).
+        for when in (None, long_ago):
+            made = db.submit(
+                job_id=new_id(),
+                caller="smoke-" + new_id(),
+                caller_class="smoke",
+                idem_key="k" * 64,
+                targets=[dcache.NewTarget(f"https://example.com/{i}") for i in range(3)],
+                ttl=dt.timedelta(minutes=5),
+                jobs_per_caller=1,
+                jobs_total=100,
+                now=when,
+                notify_url="https://example.com/hook",
+            )
+            assert made.kind == "created" and made.job is not None
+            assert db.fail_job(made.job.id, "x", now=when)
+        assert db.purge_expired(now=long_ago + dt.timedelta(days=1)) == 1
+    with dcache.DB.open(spec.url) as db, db.engine.connect() as conn:
+        for table in ("batch_outbox", "batch_tombstone"):
+            assert conn.execute(text(f"SELECT count(*) FROM {table}")).scalar() >= 1, table
     wipe(spec.url)
     with dcache.DB.open(spec.url) as db, db.engine.connect() as conn:
         for table in (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import http.server
 import io
@@ -1400,7 +1401,7 @@ def test_status_json_ends_its_line_when_the_database_fails_midway(
     job_id = _finished_job(url, 3)
 
     def break_it() -> None:
-        with sqlite3.connect(tmp_path / "broken.sqlite3") as conn:
+        with contextlib.closing(sqlite3.connect(tmp_path / "broken.sqlite3")) as conn:
             conn.execute("DROP TABLE batch_target")
 
     _before_result_read(monkeypatch, 2, break_it)

@@ -882,6 +882,40 @@ def test_a_leader_waits_one_slice_for_an_open_writer_that_does_not_write(
         assert time.monotonic() - t0 < 0.9  # no slice waited
 
 
+def test_a_writer_closing_stops_a_leader_waiting_for_it(
+    db: DB, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A drain that ends (its writer closed) is not waited for: the leader commits at once
+    instead of waiting out its slice."""
+    import time
+
+    from dcache import _writer
+
+    monkeypatch.setattr(_writer, "GATHER_SLICE", 20.0)
+    monkeypatch.setattr(_writer, "GATHER_MAX", 30.0)
+    job = created(db, n=1)
+    idle = db.writer()
+    idle.__enter__()
+    took: list[float] = []
+
+    def write() -> None:
+        with db.writer() as writer:
+            t0 = time.monotonic()
+            assert writer.write_target(job.id, 0, status="done", ttl=TTL, now=T0).stored
+            took.append(time.monotonic() - t0)
+
+    leader = threading.Thread(target=write)
+    leader.start()
+    deadline = time.monotonic() + 10
+    while not db._group._gathering:  # the leader waits for the idle writer's outcome
+        assert leader.is_alive() and time.monotonic() < deadline
+        time.sleep(0.001)
+    idle.close()
+    leader.join(10)
+    assert not leader.is_alive() and took and took[0] < 10  # not the 20 s slice
+    assert db._group._open == 0
+
+
 def test_an_outcome_the_database_refuses_does_not_fail_the_others_in_its_batch(db: DB) -> None:
     """One refused result (too large for the server, say) is answered alone; the rest commit."""
     good = [created(db, caller=f"g{i}", n=1) for i in range(6)]
@@ -1664,9 +1698,10 @@ def finished_jobs(db: DB, n: int, callers: Sequence[str]) -> None:
         return callers[i % len(callers)] if i < n // 4 else f"bulk-{i}"
 
     with db.engine.begin() as conn:
-        model = dict(conn.execute(select(jobs).limit(1)).mappings().one())
+        model = dict(conn.execute(select(jobs).order_by(jobs.c.id).limit(1)).mappings().one())
         rows = [
             {**model, "id": f"bulk{i:028d}", "caller": caller(i), "status": "done"}
+            | {"finished_at": model["updated_at"]}
             | {"idem_key": hashlib.sha256(str(i).encode()).hexdigest()}
             for i in range(n)
         ]
@@ -1822,6 +1857,21 @@ def test_the_store_keeps_tombstones_for_its_own_tombstone_ttl(db: DB) -> None:
     assert tombstone_count(db) == 0
 
 
+def test_a_lapsed_job_not_yet_purged_answers_as_its_tombstone_would(db: DB) -> None:
+    """Purge's progress does not change the answer: a job lapsed longer ago than the
+    tombstone period is unknown, deleted or not."""
+    job = created(db, n=1)
+    assert db.fail_job(job.id, "x", now=T0)
+    lapsed = T0 + TTL
+    within = lapsed + dcache.TOMBSTONE_TTL
+    assert db.lookup(job.id, now=within).state == "expired"
+    past = within + dt.timedelta(seconds=1)
+    assert db.lookup(job.id, now=past).state == "unknown"
+    assert db.purge_expired(now=lapsed) == 1
+    assert db.lookup(job.id, now=within).state == "expired"
+    assert db.lookup(job.id, now=past).state == "unknown"
+
+
 @pytest.mark.parametrize("url", ["sqlite://", "sqlite:///{tmp}/ttl.sqlite3"])
 def test_open_takes_the_tombstone_ttl_and_refuses_a_bad_one(tmp_path: Path, url: str) -> None:
     url = url.format(tmp=tmp_path)
@@ -1829,9 +1879,13 @@ def test_open_takes_the_tombstone_ttl_and_refuses_a_bad_one(tmp_path: Path, url:
         assert db.tombstone_ttl == dt.timedelta(hours=1)
     with DB.open(url) as db:
         assert db.tombstone_ttl == dcache.TOMBSTONE_TTL
-    for bad in (dt.timedelta(seconds=-1), 3600, None):
+    for bad in (dt.timedelta(seconds=-1), dt.timedelta(days=10**6), 3600, None):
         with pytest.raises(ValueError, match="tombstone_ttl"):
             DB.open(url, tombstone_ttl=bad)  # type: ignore[arg-type]
+    # The longest period allowed still reads and purges (its cutoff is a date).
+    with DB.open(url, tombstone_ttl=dt.timedelta(days=100 * 365)) as db:
+        assert db.lookup("0" * 32).state == "unknown"
+        assert db.purge_expired() == 0
 
 
 def test_a_table_made_by_an_older_build_is_refused_with_a_clear_error(tmp_path: Path) -> None:
