@@ -216,6 +216,10 @@ def stale_tables(url: str) -> list[str]:
         eng.dispose()
 
 
+# The tables wipe() empties, each before the tables it references.
+_EMPTIED = ("batch_target", "batch_outbox", "batch_tombstone", "batch_job", "batch_owner")
+
+
 def wipe(url: str) -> None:
     """An empty store at ``url``: the schema created (or rebuilt if stale), every table empty.
 
@@ -241,18 +245,10 @@ def wipe(url: str) -> None:
                 # a vacuum (autovacuum may be off, as on the CI machines): run after run the
                 # tables bloat and the plans go wrong (a parallel scan for a keyed read of 32
                 # rows: 30 ms). TRUNCATE gives the space back at once.
-                conn.execute(
-                    text(
-                        "TRUNCATE batch_target, batch_outbox, batch_tombstone, batch_job, "
-                        "batch_owner"
-                    )
-                )
+                conn.execute(text("TRUNCATE " + ", ".join(_EMPTIED)))
             else:
-                conn.execute(text("DELETE FROM batch_target"))
-                conn.execute(text("DELETE FROM batch_outbox"))
-                conn.execute(text("DELETE FROM batch_tombstone"))
-                conn.execute(text("DELETE FROM batch_job"))
-                conn.execute(text("DELETE FROM batch_owner"))
+                for table in _EMPTIED:
+                    conn.execute(text(f"DELETE FROM {table}"))
             conn.execute(text("DELETE FROM batch_lock WHERE name <> 'global'"))
     finally:
         db.close()

@@ -198,6 +198,7 @@ class JobReads:
         if not findable(job_id):
             return Lookup("unknown")
         now = aware_now(now)
+        since = now - self.tombstone_ttl  # a job lapsed before this is forgotten
         with self._read() as conn:
             row = conn.execute(
                 select(jobs.c.caller, jobs.c.status, jobs.c.expires_at).where(jobs.c.id == job_id)
@@ -205,13 +206,13 @@ class JobReads:
             if row is not None:
                 if row.status in LIVE or row.expires_at > now:
                     return Lookup("found", row.caller)
-                if row.expires_at >= now - self.tombstone_ttl:
+                if row.expires_at >= since:
                     return Lookup("expired", row.caller, row.expires_at)
                 return Lookup("unknown")  # lapsed longer ago than a tombstone is kept
             gone = conn.execute(
                 select(tombstones.c.caller, tombstones.c.expired_at).where(
                     tombstones.c.id == job_id,
-                    tombstones.c.expired_at >= now - self.tombstone_ttl,
+                    tombstones.c.expired_at >= since,
                 )
             ).first()
         if gone is None:

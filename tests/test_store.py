@@ -12,6 +12,7 @@ import hashlib
 import re
 import sqlite3
 import threading
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -823,6 +824,15 @@ def test_concurrent_drains_share_commits_and_each_gets_its_own_answer(db: DB) ->
     assert commits <= 64  # one per write at worst; shared whenever writers overlap
 
 
+def until_gathering(db: DB, leader: threading.Thread, timeout: float = 10.0) -> None:
+    """Return once ``leader`` (a thread writing through ``db``) leads a commit and waits
+    for other writers' outcomes; fail if it ends or does not get there in time."""
+    deadline = time.monotonic() + timeout
+    while not db._group._gathering:
+        assert leader.is_alive() and time.monotonic() < deadline
+        time.sleep(0.001)
+
+
 def test_a_leader_waits_for_the_outcomes_of_the_other_open_writers(
     db: DB, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -843,9 +853,7 @@ def test_a_leader_waits_for_the_outcomes_of_the_other_open_writers(
             )
         )
         leader.start()
-        while not group._gathering:  # the leader waits for w2's outcome
-            assert leader.is_alive()
-            threading.Event().wait(0.001)
+        until_gathering(db, leader)  # the leader waits for w2's outcome
         assert w2.write_target(second.id, 0, status="done", ttl=TTL, now=T0).stored
         leader.join(10)
         assert [a.stored for a in answers] == [True]
@@ -858,8 +866,6 @@ def test_a_leader_waits_one_slice_for_an_open_writer_that_does_not_write(
 ) -> None:
     """A drain whose fetch is slow costs the others one slice, not its fetch's time; a
     lone writer, or a writer closed twice, waits for nobody."""
-    import time
-
     from dcache import _writer
 
     monkeypatch.setattr(_writer, "GATHER_SLICE", 1.0)
@@ -887,8 +893,6 @@ def test_a_writer_closing_stops_a_leader_waiting_for_it(
 ) -> None:
     """A drain that ends (its writer closed) is not waited for: the leader commits at once
     instead of waiting out its slice."""
-    import time
-
     from dcache import _writer
 
     monkeypatch.setattr(_writer, "GATHER_SLICE", 20.0)
@@ -906,10 +910,7 @@ def test_a_writer_closing_stops_a_leader_waiting_for_it(
 
     leader = threading.Thread(target=write)
     leader.start()
-    deadline = time.monotonic() + 10
-    while not db._group._gathering:  # the leader waits for the idle writer's outcome
-        assert leader.is_alive() and time.monotonic() < deadline
-        time.sleep(0.001)
+    until_gathering(db, leader)  # the leader waits for the idle writer's outcome
     idle.close()
     leader.join(10)
     assert not leader.is_alive() and took and took[0] < 10  # not the 20 s slice
@@ -1377,6 +1378,10 @@ def tombstone_count(db: DB) -> int:
     return int(sql(db, "SELECT count(*) FROM batch_tombstone")[0][0])
 
 
+def tombstone_ids(db: DB) -> set[str]:
+    return {r[0] for r in sql(db, "SELECT id FROM batch_tombstone")}
+
+
 def test_purge_stops_after_max_batches(db: DB) -> None:
     """Purge is bounded: each call does at most max_batches batches of limit jobs."""
     for caller in "abcde":
@@ -1826,9 +1831,9 @@ def test_old_tombstones_go_in_bounded_batches_oldest_first(db: DB) -> None:
     mid = T0 + TTL + dcache.TOMBSTONE_TTL + dt.timedelta(seconds=2.5)
     assert [db.lookup(i, now=mid).state for i in ids] == ["unknown"] * 3 + ["expired"] * 2
     assert db.purge_expired(now=mid, limit=2, max_batches=1) == 0
-    assert {r[0] for r in sql(db, "SELECT id FROM batch_tombstone")} == set(ids[2:])
+    assert tombstone_ids(db) == set(ids[2:])
     assert db.purge_expired(now=mid, limit=2, max_batches=1) == 0
-    assert {r[0] for r in sql(db, "SELECT id FROM batch_tombstone")} == set(ids[3:])
+    assert tombstone_ids(db) == set(ids[3:])
     assert db.purge_expired(now=mid, limit=2) == 0
     assert tombstone_count(db) == 2
     assert [db.lookup(i, now=mid).state for i in ids] == ["unknown"] * 3 + ["expired"] * 2
