@@ -17,6 +17,7 @@ database password never appears in anything printed.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import importlib
 import io
 import json
@@ -77,6 +78,7 @@ EXIT_TEMPFAIL = 75  # sysexits.h EX_TEMPFAIL: busy or database unavailable, retr
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 DEFAULT_DB = "sqlite:///batch.sqlite3"
+MAX_TOMBSTONE_DAYS = 36_500  # DB.open's bound on tombstone_ttl (100 years)
 DEFAULT_FETCH = "batch._cli:local_fetch"
 _POLL = 0.2  # seconds between progress updates while waiting
 _SETTLE = 10.0  # seconds --watch waits for a terminal job's drain to report its end
@@ -376,8 +378,9 @@ def _db_url(args: argparse.Namespace) -> str:
     return url or os.environ.get("BATCH_DB") or DEFAULT_DB
 
 
-def _open_db(args: argparse.Namespace) -> dcache.DB | int:
-    """The store named by --db / $BATCH_DB, or the exit status after saying why not."""
+def _open_db(args: argparse.Namespace, **options: Any) -> dcache.DB | int:
+    """The store named by --db / $BATCH_DB (``options`` to ``DB.open``), or the exit
+    status after saying why not."""
     url = _db_url(args)
     _remember_secret(url)
     if not _URL_SHAPE.match(url):
@@ -387,7 +390,7 @@ def _open_db(args: argparse.Namespace) -> dcache.DB | int:
         )
         return EXIT_USAGE
     try:
-        return dcache.DB.open(url)
+        return dcache.DB.open(url, **options)
     except Exception as exc:  # any parse or driver failure: one line, never a traceback
         _say(explain_open_failure(url, redact_url(url), exc))
         return EXIT_TEMPFAIL if isinstance(exc, dcache.StoreUnavailableError) else EXIT_FAILED
@@ -797,7 +800,7 @@ def _cmd_jobs(args: argparse.Namespace) -> int:
 
 
 def _cmd_purge(args: argparse.Namespace) -> int:
-    db = _open_db(args)
+    db = _open_db(args, tombstone_ttl=dt.timedelta(days=args.tombstone_days))
     if isinstance(db, int):
         return db
     try:
@@ -920,9 +923,14 @@ _PURGE_EPILOG = """\
 Runners purge lapsed jobs on their own (Config.purge_interval); this is for a database
 no runner is attached to.
 
+Each purged job leaves a tombstone, so that its id answers "expired" (HTTP 410) rather
+than "unknown" (404) for a while; purge deletes the tombstones older than that period.
+Give the period your app opens the store with (DB.open(url, tombstone_ttl=...)).
+
 examples:
   batch purge
   batch purge --json              prints {"purged": N}
+  batch purge --tombstone-days 30 keeps purged ids answering "expired" for 30 days
 """
 
 _SERVE_EPILOG = """\
@@ -951,6 +959,16 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, not {value}")
+    return value
+
+
+def _days(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of days: {text!r}") from None
+    if not 0 <= value <= MAX_TOMBSTONE_DAYS:  # false for nan too
+        raise argparse.ArgumentTypeError(f"between 0 and {MAX_TOMBSTONE_DAYS:,} days, not {text}")
     return value
 
 
@@ -1081,6 +1099,14 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_PURGE_EPILOG,
     )
     purge.add_argument("--json", action="store_true", help='print {"purged": N}')
+    purge.add_argument(
+        "--tombstone-days",
+        metavar="DAYS",
+        type=_days,
+        default=dcache.TOMBSTONE_TTL.total_seconds() / 86400,
+        help="delete the tombstones of jobs that lapsed more than DAYS days ago "
+        f"(default {dcache.TOMBSTONE_TTL.days}, as DB.open's tombstone_ttl)",
+    )
     purge.set_defaults(func=_cmd_purge)
 
     serve = _serve.add_parser(sub)

@@ -625,6 +625,53 @@ def test_status_cancel_jobs_and_purge_end_to_end(
     assert [j["id"] for j in lines(remaining.stdout)] == [job_id]
 
 
+def test_purge_keeps_tombstones_for_the_days_given(env: dict[str, str]) -> None:
+    """`batch purge` deletes the tombstones older than --tombstone-days (default 7)."""
+    now = dcache.utcnow()
+    lapsed = {}
+    with dcache.DB.open(env["BATCH_DB"]) as db:
+        for caller, days in (("old", 40), ("recent", 3)):
+            then = now - dt.timedelta(days=days, minutes=1)
+            out = db.submit(
+                job_id=batch.new_job_id(),
+                caller=caller,
+                caller_class="cli",
+                idem_key=caller,
+                targets=[dcache.NewTarget("test://a", "{}")],
+                ttl=dt.timedelta(minutes=1),
+                jobs_per_caller=1,
+                jobs_total=10,
+                now=then,
+            )
+            assert out.job is not None
+            assert db.fail_job(out.job.id, "x", now=then)
+            lapsed[caller] = out.job.id
+
+    def tombstones() -> set[str]:
+        with contextlib.closing(sqlite3.connect(env["BATCH_DB"].removeprefix("sqlite:///"))) as c:
+            return {row[0] for row in c.execute("SELECT id FROM batch_tombstone")}
+
+    first = cli(env, "purge", "--json")
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout) == {"purged": 2}
+    assert tombstones() == set(lapsed.values())
+    again = cli(env, "purge")  # the 40-day-old tombstone is past the default 7 days
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == "purged 0 lapsed job(s)\n"
+    assert tombstones() == {lapsed["recent"]}
+    kept = cli(env, "purge", "--tombstone-days", "3.5")
+    assert kept.returncode == 0, kept.stderr
+    assert tombstones() == {lapsed["recent"]}
+    shorter = cli(env, "purge", "--tombstone-days", "2")
+    assert shorter.returncode == 0, shorter.stderr
+    assert tombstones() == set()
+    for bad in ("-1", "36501", "nan", "week"):
+        refused = cli(env, "purge", "--tombstone-days", bad)
+        assert refused.returncode == 2, bad
+        assert "--tombstone-days" in refused.stderr
+        assert "days" in refused.stderr
+
+
 def test_a_busy_caller_exits_75(env: dict[str, str], tmp_path: Path) -> None:
     """A caller at its live-job cap gets exit 75 (retry later), not a crash or a wait."""
     fetch = _Blocking()
