@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 import attrs
 
 import dcache
-from dcache._outbox import DELIVERED, FAILED, PENDING
+from dcache._schema import DELIVERED, GIVEN_UP, UNDELIVERED
 
 from . import fetchers
 from ._errors import InvalidTargetsError, StoreError
@@ -286,10 +286,10 @@ class Sender:
         if 200 <= status < 300:
             outcome = DELIVERED
         elif status and _permanent(status):
-            outcome = FAILED
+            outcome = GIVEN_UP
         else:
             retry_at = self.hooks.next_attempt(attempts, now)
-            outcome = PENDING if retry_at is not None else FAILED
+            outcome = UNDELIVERED if retry_at is not None else GIVEN_UP
         recorded = runner.db.record_attempt(
             row.id,
             runner.owner,

@@ -23,22 +23,15 @@ from sqlalchemy import Connection, bindparam, insert, literal, or_, select, upda
 
 from ._errors import wrap_errors
 from ._rows import NotificationRow
-from ._schema import LIVE, Delivery, UTCDateTime, jobs, outbox
+from ._schema import DELIVERED, GIVEN_UP, LIVE, UNDELIVERED, UTCDateTime, jobs, outbox
 from ._shared import aware_now, findable
 
 __all__ = [
-    "DELIVERED",
-    "FAILED",
-    "PENDING",
     "OutboxQueries",
     "message_id",
     "notify_statement",
     "queue_notification",
 ]
-
-PENDING = Delivery.PENDING.value
-DELIVERED = Delivery.DELIVERED.value
-FAILED = Delivery.FAILED.value
 
 _COLUMNS = [
     outbox.c.id,
@@ -79,7 +72,7 @@ def notify_statement(source: Any = jobs) -> Any:
         source.c.caller,
         source.c.notify_url,
         source.c.status,
-        literal(PENDING),
+        literal(UNDELIVERED),
         literal(0),
         now,
         literal(""),
@@ -145,7 +138,7 @@ class OutboxQueries:
             q = (
                 select(*_COLUMNS)
                 .where(
-                    outbox.c.status == PENDING,
+                    outbox.c.status == UNDELIVERED,
                     outbox.c.next_attempt_at <= now,
                     or_(outbox.c.claimed_until.is_(None), outbox.c.claimed_until < now),
                 )
@@ -179,7 +172,7 @@ class OutboxQueries:
         again at ``next_attempt_at``). False when the claim was lost meanwhile (it
         lapsed and another sender took the row): the attempt is not recorded.
         """
-        if outcome not in (PENDING, DELIVERED, FAILED):
+        if outcome not in (UNDELIVERED, DELIVERED, GIVEN_UP):
             raise ValueError(f"outcome must be pending, delivered or failed, not {outcome!r}")
         now = aware_now(now)
         values: dict[str, Any] = {
@@ -190,7 +183,7 @@ class OutboxQueries:
             "claimed_until": None,
             "updated_at": now,
         }
-        if outcome == PENDING:
+        if outcome == UNDELIVERED:
             if next_attempt_at is None:
                 raise ValueError("a pending outcome needs next_attempt_at")
             values["next_attempt_at"] = next_attempt_at
@@ -200,7 +193,7 @@ class OutboxQueries:
                 .where(
                     outbox.c.id == msg_id,
                     outbox.c.claimed_by == owner,
-                    outbox.c.status == PENDING,
+                    outbox.c.status == UNDELIVERED,
                 )
                 .values(**values)
             ).rowcount
@@ -226,9 +219,9 @@ class OutboxQueries:
         with self._write() as conn:
             won = conn.execute(
                 update(outbox)
-                .where(outbox.c.id == message_id(job_id), outbox.c.status != PENDING)
+                .where(outbox.c.id == message_id(job_id), outbox.c.status != UNDELIVERED)
                 .values(
-                    status=PENDING,
+                    status=UNDELIVERED,
                     next_attempt_at=now,
                     claimed_by="",
                     claimed_until=None,

@@ -110,6 +110,10 @@ FAILED = Status.FAILED.value
 PARTIAL = Status.PARTIAL.value
 CANCELLED = Status.CANCELLED.value
 PENDING = Status.PENDING.value
+# A notification's, named apart from the job's and target's same strings.
+UNDELIVERED = Delivery.PENDING.value  # due, or retrying
+DELIVERED = Delivery.DELIVERED.value
+GIVEN_UP = Delivery.FAILED.value
 
 
 def _values(*members: Status | Delivery) -> tuple[str, ...]:

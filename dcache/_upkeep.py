@@ -14,9 +14,8 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection, and_, delete, insert, or_, select, update
 
 from ._errors import wrap_errors
-from ._outbox import PENDING as UNDELIVERED
 from ._rows import OwnerRow
-from ._schema import CANCELLED, LIVE, jobs, outbox, owners, targets, tombstones
+from ._schema import CANCELLED, LIVE, UNDELIVERED, jobs, outbox, owners, targets, tombstones
 from ._shared import LIVE_IN, aware_now
 
 TOMBSTONE_TTL = dt.timedelta(days=7)  # how long a purged job's id still answers "expired"
