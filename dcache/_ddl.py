@@ -46,9 +46,7 @@ class SchemaSetup:
                 self._get_schema_lock(conn)
                 try:
                     self._choose_nopad_collation(conn)
-                    metadata.create_all(conn)
-                    self._migrate(conn)
-                    self._check_columns(conn)
+                    self._tables(conn)
                     self._init_meta(conn)
                     conn.commit()
                 finally:
@@ -58,9 +56,7 @@ class SchemaSetup:
         with self._write() as conn:
             if self.dialect == "postgresql":
                 conn.execute(select(func.pg_advisory_xact_lock(0x6463616368)))
-            metadata.create_all(conn)
-            self._migrate(conn)
-            self._check_columns(conn)
+            self._tables(conn)
             self._init_meta(conn)
 
     def _get_schema_lock(self, conn: Connection) -> None:
@@ -94,45 +90,56 @@ class SchemaSetup:
             conn.dialect.dcache_collation = chosen  # type: ignore[attr-defined]
 
     @staticmethod
-    def _migrate(conn: Connection) -> None:
-        """Add in place what a newer schema version added to existing tables.
+    def _tables(conn: Connection) -> None:
+        """Create the tables that are missing, bring older ones up to date, or refuse.
+
+        One inspection of the catalog for all the tables (one query each for the table
+        names, their columns and their indexes where the dialect batches them, as
+        PostgreSQL's does): the per-table reflection it replaces was most of the time a
+        ``DB.open`` took on a server.
 
         ``create_all`` never alters an existing table. A column that can be added to a
         populated table (one with a server default, or nullable) is added here, and so
-        is a missing index, so a version-1 database moves on without losing its jobs;
-        anything else is left to :meth:`_check_columns` to refuse.
+        is a missing index (looked for only in a database that records an older
+        version), so a version-1 database moves on without losing its jobs.
+        Tables that lack any other column this version needs (made by an older
+        development build) are refused: they would fail later, on some query, with an
+        "unknown column" error.
         """
         inspector = sa_inspect(conn)
+        names = [t.name for t in metadata.sorted_tables]
+        if set(names) <= set(inspector.get_table_names()):
+            # Indexes are added by the migration to this version, which records it last.
+            found = conn.execute(select(meta.c.value).where(meta.c.key == "schema_version"))
+            migrated = found.scalar() == str(SCHEMA_VERSION)
+        else:
+            metadata.create_all(conn)  # checkfirst: only the missing ones
+            inspector = sa_inspect(conn)  # a fresh cache: it has seen no tables yet
+            migrated = False
+        columns = inspector.get_multi_columns(filter_names=names)
+        indexes = {} if migrated else inspector.get_multi_indexes(filter_names=names)
         for table in metadata.sorted_tables:
-            have = {c["name"] for c in inspector.get_columns(table.name)}
+            have = {c["name"] for c in columns[(None, table.name)]}
             for column in table.columns:
                 if column.name in have or not (column.nullable or column.server_default):
                     continue
                 ddl = CreateColumn(column).compile(dialect=conn.dialect)
                 log.warning("adding column %s.%s to an older schema", table.name, column.name)
                 conn.execute(text(sql.add_column(table.name, str(ddl))))
-            indexed = {i["name"] for i in inspector.get_indexes(table.name)}
-            for index in table.indexes:
-                if index.name not in indexed:
-                    log.warning("adding index %s to an older schema", index.name)
-                    index.create(conn)
-
-    @staticmethod
-    def _check_columns(conn: Connection) -> None:
-        """Refuse tables that lack columns this version needs (made by an older build).
-
-        ``create_all`` never alters an existing table, so without this check such a
-        database would fail later, on some query, with an "unknown column" error.
-        """
-        inspector = sa_inspect(conn)
-        for table in metadata.sorted_tables:
-            have = {c["name"] for c in inspector.get_columns(table.name)}
+                have.add(column.name)
             missing = sorted(c.name for c in table.columns if c.name not in have)
             if missing:
                 raise SchemaVersionError(
                     f"table {table.name} lacks column(s) {', '.join(missing)}: it was made "
                     "by an older development build of dcache; migrate it or use a new database"
                 )
+            if migrated:
+                continue
+            indexed = {i["name"] for i in indexes[(None, table.name)]}
+            for index in table.indexes:
+                if index.name not in indexed:
+                    log.warning("adding index %s to an older schema", index.name)
+                    index.create(conn)
 
     @staticmethod
     def _init_meta(conn: Connection) -> None:

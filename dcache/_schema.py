@@ -62,7 +62,7 @@ __all__ = [
     "utf8",
 ]
 
-# 2: batch_owner.beats (added in place to version-1 tables; see DB._migrate).
+# 2: batch_owner.beats (added in place to version-1 tables; see SchemaSetup._tables in dcache._ddl).
 # 3: batch_target.result_bytes (added in place, NULL for the results already stored).
 SCHEMA_VERSION = 3
 

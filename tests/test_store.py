@@ -1903,6 +1903,20 @@ def test_a_table_made_by_an_older_build_is_refused_with_a_clear_error(tmp_path: 
         DB.open(url)
 
 
+def test_a_missing_table_is_created_at_open_beside_the_others(tmp_path: Path) -> None:
+    """Open creates only the tables that are missing and keeps what the others hold."""
+    url = f"sqlite:///{tmp_path / 'partial.sqlite3'}"
+    with DB.open(url) as db:
+        job_id = created(db).id
+        with db.engine.begin() as conn:
+            conn.execute(text("DROP TABLE batch_tombstone"))
+    with DB.open(url) as db:
+        assert db.get_job(job_id, now=T0) is not None
+        assert db.fail_job(job_id, "x", now=T0)
+        assert db.purge_expired(now=T0 + TTL + dt.timedelta(seconds=1)) == 1
+        assert tombstone_ids(db) == {job_id}
+
+
 def test_a_version_1_database_is_migrated_in_place_and_keeps_its_jobs(
     db: DB, backend: str, tmp_path: Path
 ) -> None:
