@@ -26,10 +26,12 @@ from conftest import (
     open_backend,
     queue_behind_a_lock,
     wait_queued,
+    wipe,
 )
 from sqlalchemy import event, select, text, update
 from sqlalchemy import exc as sa_exc
 from sqlalchemy import inspect as sa_inspect
+from sqlalchemy.engine import make_url
 
 import dcache
 from dcache import DB, JobRow, NewTarget, SubmitOutcome
@@ -1901,6 +1903,20 @@ def test_a_table_made_by_an_older_build_is_refused_with_a_clear_error(tmp_path: 
         conn.execute(text("ALTER TABLE batch_owner DROP COLUMN started_at"))
     with pytest.raises(dcache.SchemaVersionError, match="started_at"):
         DB.open(url)
+
+
+def test_mariadb_works_in_pymysqls_default_tls_mode(tmp_path: Path) -> None:
+    """The tests' MariaDB URL says ssl_disabled; the store works without it too (PyMySQL
+    then offers TLS and, the server having none, goes on in plain text)."""
+    url = make_url(backend_url("mariadb", tmp_path))
+    plain = url.difference_update_query(["ssl_disabled"]).render_as_string(hide_password=False)
+    with DB.open(plain) as db:
+        wipe(db)
+        job = created(db, n=1)
+        assert db.write_target(job.id, 0, status="done", result="{}", ttl=TTL, now=T0).stored
+        found = db.get_job_with_targets(job.id, now=T0)
+        assert found is not None and found[0].status == "done"
+        wipe(db)
 
 
 def test_a_missing_table_is_created_at_open_beside_the_others(tmp_path: Path) -> None:
