@@ -93,10 +93,10 @@ class SchemaSetup:
     def _tables(conn: Connection) -> None:
         """Create the tables that are missing, bring older ones up to date, or refuse.
 
-        One inspection of the catalog for all the tables (one query each for the table
-        names, their columns and their indexes where the dialect batches them, as
-        PostgreSQL's does): the per-table reflection it replaces was most of the time a
-        ``DB.open`` took on a server.
+        One inspection of the catalog for all the tables: one query each for the table
+        names, their columns and (in a database that records an older version) their
+        indexes, where the dialect batches them, as PostgreSQL's does. Reflecting each
+        table twice, as before, was most of the time a ``DB.open`` took on a server.
 
         ``create_all`` never alters an existing table. A column that can be added to a
         populated table (one with a server default, or nullable) is added here, and so
