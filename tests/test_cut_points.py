@@ -56,7 +56,6 @@ import datetime as dt
 import inspect
 import json
 import logging
-import multiprocessing
 import time
 import uuid
 from collections import Counter
@@ -81,7 +80,7 @@ from _cut_scenarios import (
     snapshot,
 )
 from _wireproxy import EXIT_CODE, KINDS, Cut, Unit, WireProxy, upstream_of, wire_url
-from conftest import SERVER_URLS, backend_url, wipe
+from conftest import SERVER_URLS, backend_url, forkserver, wipe
 from sqlalchemy import select
 
 import batch
@@ -97,7 +96,7 @@ EXCLUDED = {
     "Writer.close": "holds no connection since group commit: nothing to give back",
     "DB.max_result_bytes": "a property read from the server at open (DB.open's scenario)",
 }
-MAX_CUTS = {"sqlite": 12, "postgresql": 16, "mariadb": 14}  # statements sampled per scenario
+MAX_CUTS = {"sqlite": 10, "postgresql": 12, "mariadb": 11}  # statements sampled per scenario
 KILL_ON_SERVERS = ("DB.write_target", "Writer.write_target", "Runner.submit")
 KILL_RUNNER_CUTS = 4  # statements of Runner.submit killed on the servers (slow recovery)
 WAIT = 4.0  # how long a runner scenario waits for its job
@@ -203,21 +202,9 @@ def quiet(caplog: pytest.LogCaptureFixture) -> None:
 
 @pytest.fixture(scope="module")
 def mp() -> Any:
-    """A forkserver that imported the library once: a child costs a fork."""
-    ctx = multiprocessing.get_context("forkserver")
-    # Only what is importable without the tests directory on sys.path (the forkserver of
-    # Python 3.11 does not get the parent's sys.path); each child imports _cut_child.
-    ctx.set_forkserver_preload(
-        [
-            "batch",
-            "dcache",
-            "sqlalchemy.dialects.sqlite.pysqlite",
-            "sqlalchemy.dialects.postgresql.psycopg",
-            "sqlalchemy.dialects.mysql.pymysql",
-            "attrs",
-        ]
-    )
-    return ctx
+    """A forkserver that imported the library once: a child costs a fork (each child
+    imports _cut_child)."""
+    return forkserver()
 
 
 # -- checks -------------------------------------------------------------------------------

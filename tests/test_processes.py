@@ -1,8 +1,9 @@
 """Many processes on one database: crashes, racing submits, orphan reaping, remote cancel.
 
-The multi-process tests start real children (multiprocessing ``spawn``; entry points in
-``_proc_workers``), each with its own ``dcache.DB`` and ``batch.Runner``, on the backends a
-deployment can share: the SQLite file, PostgreSQL and MariaDB. They coordinate through
+The multi-process tests start real children (multiprocessing ``forkserver``, as fresh as
+spawned ones; entry points in ``_proc_workers``), each with its own ``dcache.DB`` and
+``batch.Runner``, on the backends a deployment can share: the SQLite file, PostgreSQL and
+MariaDB. They coordinate through
 multiprocessing Events and a queue, never by sleeping; every wait has a timeout, and the
 ``procs`` fixture kills whatever is left. The exact staleness rules (three periods, one
 period of clock skew) are unit tested in one process with an injected clock, without
@@ -12,7 +13,6 @@ sleeping.
 from __future__ import annotations
 
 import datetime as dt
-import multiprocessing
 import queue
 import signal
 import threading
@@ -26,14 +26,14 @@ from typing import Any
 import _proc_workers as workers
 import pytest
 from _proc_workers import content_for, meta_for, read_fetches, record_fetch, target_url, url_index
-from conftest import Clock
+from conftest import Clock, forkserver
 from sqlalchemy import select
 
 import batch
 import dcache
 from dcache._schema import owners
 
-CTX = multiprocessing.get_context("spawn")
+CTX = forkserver()
 HEARTBEAT = 0.25  # seconds: the short period the multi-process tests run their runners with
 JOIN = 45.0  # seconds: the most any handshake or join may take before the test fails
 PERIOD = dt.timedelta(seconds=60)  # the injected-clock tests' period (never elapses for real)
