@@ -24,6 +24,28 @@ from sqlalchemy.types import TypeEngine
 __all__ = ["Prepared"]
 
 _Processor = Callable[[Any], Any] | None
+_CACHE: dict[tuple[Any, ...], Prepared] = {}
+
+
+def _dialect_key(dialect: Dialect) -> tuple[Any, ...]:
+    """What a dialect's compilation can depend on: its class and every plain setting it
+    holds (server version, paramstyle, MariaDB or not, escapes, ...), as they are now.
+
+    Two dialects with the same key compile a statement alike; one that changes a setting
+    (its first connection reads the server's) gets a key of its own.
+    """
+    settings = []
+    kind = type(dialect)
+    for name, value in sorted(vars(dialect).items()):
+        if hasattr(getattr(kind, name, None), "__get__"):
+            continue  # a memoized property: derived from the rest, and cached when first read
+        if isinstance(value, (bool, int, float, str, tuple, type(None))):
+            try:
+                hash(value)
+            except TypeError:
+                continue
+            settings.append((name, value))
+    return (kind, tuple(settings))
 
 
 class Prepared:
@@ -37,11 +59,29 @@ class Prepared:
             result processors :meth:`convert` applies.
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         statement: ClauseElement,
         dialect: Dialect,
         result_types: Sequence[TypeEngine[Any]] = (),
+    ) -> Prepared:
+        # Compiling is most of the time a store takes to open: one compiled form is kept
+        # per statement object and dialect configuration (a Prepared holds no state that
+        # changes after __init__). The statements are module-level objects, so the cache
+        # stays as small as the code.
+        key = (statement, _dialect_key(dialect), tuple(repr(t) for t in result_types))
+        found = _CACHE.get(key)
+        if found is None:
+            found = super().__new__(cls)
+            found._build(statement, dialect, result_types)
+            _CACHE[key] = found
+        return found
+
+    def _build(
+        self,
+        statement: ClauseElement,
+        dialect: Dialect,
+        result_types: Sequence[TypeEngine[Any]],
     ) -> None:
         compiled = statement.compile(dialect=dialect)
         assert isinstance(compiled, SQLCompiler)

@@ -56,6 +56,10 @@ def every(cursor: Any) -> list[Any]:
 
 
 _HELD = "dcache.held_cursor"
+# The job alone, as a cheap poll reads it (WebReads.poll_job).
+_Q_POLL = select(*JOB_COLS).where(
+    jobs.c.id == bindparam("job_id"), visible(bindparam("now", type_=UTCDateTime))
+)
 
 
 def short_cursor(pooled: Any) -> tuple[Any, bool]:
@@ -275,10 +279,7 @@ class WebReads:
         now = aware_now(now)
         read = self.__dict__.get("_poll_read")
         if read is None:
-            q = select(*JOB_COLS).where(
-                jobs.c.id == bindparam("job_id"), visible(bindparam("now", type_=UTCDateTime))
-            )
-            read = Prepared(q, self._engine.dialect, [c.type for c in JOB_COLS])
+            read = Prepared(_Q_POLL, self._engine.dialect, [c.type for c in JOB_COLS])
             self.__dict__["_poll_read"] = read
         row = self._prepared_read(read, {"job_id": job_id, "now": now}, first, short=True)
         return job_from(read.convert(row)) if row is not None else None

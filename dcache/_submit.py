@@ -57,6 +57,7 @@ _Q_LIVE_CALLER = _Q_LIVE_ALL.where(jobs.c.caller == bindparam("c"))
 _JOB_INSERT = insert(jobs).values({c.name: bindparam(c.name, type_=c.type) for c in jobs.c})
 
 
+_LOCK_INSERT = insert(locks).values(name=bindparam("n"))
 _TARGET_INSERT = insert(targets).values(
     {c.name: bindparam(c.name, type_=c.type) for c in targets.c}
 )
@@ -67,7 +68,7 @@ class _Statements:
 
     def __init__(self, dialect: Dialect) -> None:
         self.lock = Prepared(_Q_LOCK, dialect)
-        self.lock_insert = Prepared(insert(locks).values(name=bindparam("n")), dialect)
+        self.lock_insert = Prepared(_LOCK_INSERT, dialect)
         self.idem = Prepared(_Q_IDEM, dialect, [c.type for c in JOB_COLS])
         self.live_caller = Prepared(_Q_LIVE_CALLER, dialect)
         self.live_all = Prepared(_Q_LIVE_ALL, dialect)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -72,6 +73,20 @@ MAX_BATCH = 256  # outcomes committed in one transaction at most
 # most GATHER_SLICE seconds for the next one to arrive, GATHER_MAX seconds in all.
 GATHER_SLICE = 0.001
 GATHER_MAX = 0.002
+
+
+@functools.cache
+def _shaped(together: bool, returning: bool) -> tuple[Any, Any, Any, Any]:
+    """The write's statements as a dialect runs them: the target's compare-and-set, the
+    job's update (with the target's in one statement where ``together``, with RETURNING
+    where ``returning``), the job's state and the announcement. Built once for each
+    shape, so that their compiled forms are shared by every store (see ``_prepared``)."""
+    target, job, read = _statements()
+    if together:
+        job = _together(target, job)
+    elif returning:
+        job = job.returning(jobs.c.status, jobs.c.finished_at)
+    return target, job, read, notify_statement()
 
 
 def _statements() -> tuple[Any, Any, Any]:
@@ -168,15 +183,11 @@ class GroupWriter:
     def __init__(self, db: DB) -> None:
         self._db = db
         dialect = db.engine.dialect
-        target, job, read = _statements()
         self._returning = bool(dialect.update_returning)
         # PostgreSQL runs an outcome as ONE statement (see _together); SQLite and MariaDB
         # as two or three (neither modifies data in a CTE).
         together = dialect.name == "postgresql"
-        if together:
-            job = _together(target, job)
-        elif self._returning:
-            job = job.returning(jobs.c.status, jobs.c.finished_at)
+        target, job, read, notify = _shaped(together, self._returning)
         # psycopg 3 with a libpq that pipelines: a batch is one round trip (_in_pipeline).
         self._pipelined = together and _can_pipeline(dialect)
         result_types = (jobs.c.status.type, jobs.c.finished_at.type)
@@ -189,7 +200,7 @@ class GroupWriter:
             else (
                 Prepared(target, dialect),
                 Prepared(read, dialect, result_types),
-                Prepared(notify_statement(), dialect),
+                Prepared(notify, dialect),
             )
         )
         # _mutex guards _queued, _leading and _closers. The leader commits without holding

@@ -1905,6 +1905,35 @@ def test_a_table_made_by_an_older_build_is_refused_with_a_clear_error(tmp_path: 
         DB.open(url)
 
 
+def test_stores_of_one_kind_share_their_compiled_statements(
+    db: DB, backend: str, tmp_path: Path
+) -> None:
+    """Compiling was half of what opening a store cost: a second store whose dialect is
+    configured alike reuses the first's compiled statements; another configuration does not."""
+    from sqlalchemy.dialects.postgresql import psycopg
+
+    from dcache._prepared import Prepared
+    from dcache._shared import Q_STATUS
+
+    def another() -> DB:
+        return DB.memory() if backend == "memory" else DB.open(backend_url(backend, tmp_path))
+
+    from dcache import _prepared
+
+    with another(), another():  # (a dialect may set itself up as it first compiles)
+        known = len(_prepared._CACHE)
+    with another() as one, another() as two:
+        assert len(_prepared._CACHE) == known  # nothing compiled again
+        assert two._group._job is one._group._job
+        assert two._status_read is one._status_read
+        assert two._status_brief is one._status_brief
+    first, alike, older = psycopg.dialect(), psycopg.dialect(), psycopg.dialect()
+    older.server_version_info = (9, 6)
+    assert Prepared(Q_STATUS, first) is Prepared(Q_STATUS, alike)
+    assert Prepared(Q_STATUS, first) is not Prepared(Q_STATUS, older)
+    assert Prepared(Q_STATUS, first).sql == Prepared(Q_STATUS, older).sql
+
+
 def test_mariadb_works_in_pymysqls_default_tls_mode(tmp_path: Path) -> None:
     """The tests' MariaDB URL says ssl_disabled; the store works without it too (PyMySQL
     then offers TLS and, the server having none, goes on in plain text)."""
