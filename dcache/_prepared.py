@@ -25,6 +25,7 @@ __all__ = ["Prepared"]
 
 _Processor = Callable[[Any], Any] | None
 _CACHE: dict[tuple[Any, ...], Prepared] = {}
+_CACHE_MAX = 1024
 
 
 def _dialect_key(dialect: Dialect) -> tuple[Any, ...]:
@@ -65,16 +66,17 @@ class Prepared:
         dialect: Dialect,
         result_types: Sequence[TypeEngine[Any]] = (),
     ) -> Prepared:
-        # Compiling is most of the time a store takes to open: one compiled form is kept
-        # per statement object and dialect configuration (a Prepared holds no state that
-        # changes after __init__). The statements are module-level objects, so the cache
-        # stays as small as the code.
+        # Compiling was half of the time a store took to open: one compiled form is kept
+        # per statement object and dialect configuration (nothing in a Prepared changes
+        # once built). The statements are module-level objects, so the cache stays as
+        # small as the code; past _CACHE_MAX (statements built per call) it stops growing.
         key = (statement, _dialect_key(dialect), tuple(repr(t) for t in result_types))
         found = _CACHE.get(key)
         if found is None:
             found = super().__new__(cls)
             found._build(statement, dialect, result_types)
-            _CACHE[key] = found
+            if len(_CACHE) < _CACHE_MAX:
+                _CACHE[key] = found
         return found
 
     def _build(
