@@ -35,6 +35,7 @@ from urllib.parse import unquote
 
 import dcache
 from dcache import Status
+from dcache._upkeep import MAX_TOMBSTONE_TTL
 
 from . import _serve
 from ._cli_show import (
@@ -78,7 +79,7 @@ EXIT_TEMPFAIL = 75  # sysexits.h EX_TEMPFAIL: busy or database unavailable, retr
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 DEFAULT_DB = "sqlite:///batch.sqlite3"
-MAX_TOMBSTONE_DAYS = 36_500  # DB.open's bound on tombstone_ttl (100 years)
+MAX_TOMBSTONE_DAYS = MAX_TOMBSTONE_TTL.days  # DB.open's bound on tombstone_ttl
 DEFAULT_FETCH = "batch._cli:local_fetch"
 _POLL = 0.2  # seconds between progress updates while waiting
 _SETTLE = 10.0  # seconds --watch waits for a terminal job's drain to report its end

@@ -29,7 +29,7 @@ from ._reads import WebReads
 from ._rows import WriteOutcome
 from ._shared import JOB_COLS, Q_STATUS, Q_STATUS_BRIEF, TARGET_COLS, utcnow
 from ._submit import SubmitQueries
-from ._upkeep import TOMBSTONE_TTL, Upkeep
+from ._upkeep import MAX_TOMBSTONE_TTL, TOMBSTONE_TTL, Upkeep
 from ._writer import GroupWriter
 
 __all__ = ["DB", "Writer", "utcnow"]
@@ -51,14 +51,11 @@ def _check_io_timeout(io_timeout: float | None) -> float | None:
     return float(io_timeout)
 
 
-# Tombstones are kept at most this long: ``now - tombstone_ttl`` must stay a date.
-_MAX_TOMBSTONE_TTL = dt.timedelta(days=100 * 365)
-
-
 def _check_tombstone_ttl(ttl: dt.timedelta) -> dt.timedelta:
-    if not isinstance(ttl, dt.timedelta) or not dt.timedelta(0) <= ttl <= _MAX_TOMBSTONE_TTL:
+    if not isinstance(ttl, dt.timedelta) or not dt.timedelta(0) <= ttl <= MAX_TOMBSTONE_TTL:
         raise ValueError(
-            f"tombstone_ttl must be a timedelta from 0 to 100 years (36,500 days), not {ttl!r}"
+            "tombstone_ttl must be a timedelta from 0 to 100 years "
+            f"({MAX_TOMBSTONE_TTL.days:,} days), not {ttl!r}"
         )
     return ttl
 

@@ -19,6 +19,8 @@ from ._schema import CANCELLED, LIVE, UNDELIVERED, jobs, outbox, owners, targets
 from ._shared import LIVE_IN, aware_now
 
 TOMBSTONE_TTL = dt.timedelta(days=7)  # how long a purged job's id still answers "expired"
+# The longest period allowed (DB.open checks it): ``now - tombstone_ttl`` must stay a date.
+MAX_TOMBSTONE_TTL = dt.timedelta(days=100 * 365)
 
 
 # Jobs a drain may still be working on: live, or cancelled with the drain not yet ended.
