@@ -863,6 +863,57 @@ def test_a_leader_waits_for_the_outcomes_of_the_other_open_writers(
     assert group._open == 0
 
 
+def test_a_gathering_leader_is_woken_once_when_its_batch_is_complete(
+    db: DB, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four drains' writers open: the leader is not woken as the second and third outcomes
+    arrive, only by the fourth, which completes its batch; all four commit together."""
+    from dcache import _writer
+
+    monkeypatch.setattr(_writer, "GATHER_SLICE", 30.0)
+    monkeypatch.setattr(_writer, "GATHER_MAX", 30.0)
+    jobs_ = [created(db, caller=f"c{i}", n=1) for i in range(4)]
+    group = db._group
+    wakes: list[int] = []
+
+    class Counting(threading.Condition):
+        def wait(self, timeout: float | None = None) -> bool:
+            woken = super().wait(timeout)
+            wakes.append(len(group._queued))
+            return woken
+
+    monkeypatch.setattr(group, "_arrived", Counting(group._mutex))
+    commits_before = group.commits
+    writers = [db.writer() for _ in jobs_]
+    for w in writers:
+        w.__enter__()
+    answers: dict[int, dcache.WriteOutcome] = {}
+
+    def write(i: int) -> None:
+        answers[i] = writers[i].write_target(jobs_[i].id, 0, status="done", ttl=TTL, now=T0)
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(4)]
+    try:
+        threads[0].start()
+        until_gathering(db, threads[0])
+        for i in (1, 2):
+            threads[i].start()
+        deadline = time.monotonic() + 10
+        while len(group._queued) < 3:  # both queued behind the gathering leader
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert wakes == []  # neither arrival woke it
+        threads[3].start()
+        for t in threads:
+            t.join(10)
+    finally:
+        for w in writers:
+            w.close()
+    assert wakes == [4]  # woken once, by the outcome that completed the batch
+    assert sorted(answers) == [0, 1, 2, 3] and all(a.stored for a in answers.values())
+    assert group.commits - commits_before == 1
+
+
 def test_a_leader_waits_one_slice_for_an_open_writer_that_does_not_write(
     db: DB, monkeypatch: pytest.MonkeyPatch
 ) -> None:
