@@ -157,17 +157,25 @@ Subscriber = Callable[[Event], object]
 A subscriber may declare the event classes it wants in an ``event_types`` attribute (a
 tuple; :func:`only` sets it): the bus then neither queues nor dispatches the others for
 it, and an event no subscriber wants costs its emitter nothing (no queue, no wake-up of
-the dispatcher thread). Without the attribute, a subscriber receives every event.
+the dispatcher thread). Without the attribute, a subscriber receives every event. It may
+also declare, in an ``event_when`` attribute, a function of no arguments that tells whether
+it wants any event right now (the runner's log subscriber: whether INFO is enabled); the
+bus asks it at every emit, so an event only it would take is not queued while it says no.
 """
 
 
-def only(*types: type, fn: Callable[[Any], object]) -> Subscriber:
-    """``fn`` as a subscriber of the given event classes only (see :data:`Subscriber`)."""
+def only(
+    *types: type, fn: Callable[[Any], object], when: Callable[[], bool] | None = None
+) -> Subscriber:
+    """``fn`` as a subscriber of the given event classes only, and, with ``when``, only
+    while ``when()`` is true (see :data:`Subscriber`)."""
 
     def subscriber(event: Event) -> object:
         return fn(event)
 
     subscriber.event_types = types  # type: ignore[attr-defined]
+    if when is not None:
+        subscriber.event_when = when  # type: ignore[attr-defined]
     return subscriber
 
 
@@ -193,7 +201,9 @@ class EventBus:
         self._log = log
         self._lock = threading.Lock()
         self._subscribers: tuple[Subscriber, ...] = tuple(subscribers)
-        self._wanted: dict[type, bool] = {}  # event class -> does any subscriber want it
+        # event class -> (does a subscriber always want it, the `event_when` of those
+        # that want it only at times)
+        self._wanted: dict[type, tuple[bool, tuple[Callable[[], bool], ...]]] = {}
         self._queue: queue.Queue[object] = queue.Queue(maxsize)
         self._name = name
         self._thread: threading.Thread | None = None
@@ -220,9 +230,12 @@ class EventBus:
         emitter may skip building one nobody wants."""
         wanted = self._wanted.get(kind)
         if wanted is None:
-            wanted = any(_wants(fn, kind) for fn in self._subscribers)
+            takers = [fn for fn in self._subscribers if _wants(fn, kind)]
+            whens = tuple(getattr(fn, "event_when", None) for fn in takers)
+            wanted = (None in whens, tuple(w for w in whens if w is not None))
             self._wanted[kind] = wanted
-        return wanted and not self._closed
+        always, at_times = wanted
+        return (always or any(when() for when in at_times)) and not self._closed
 
     def emit(self, event: Event) -> None:
         """Queue an event without blocking; drop (and count) it when the queue is full."""
@@ -296,4 +309,12 @@ def log_events(log: logging.Logger) -> Subscriber:
                 extra={"job_id": event.job_id},
             )
 
-    return only(JobSubmitted, JobCancelled, JobFinished, fn=subscriber)
+    # Without INFO enabled the lines would be dropped: no event is queued for them, and
+    # no dispatcher wake-up is paid at every submit and every job's end.
+    return only(
+        JobSubmitted,
+        JobCancelled,
+        JobFinished,
+        fn=subscriber,
+        when=lambda: log.isEnabledFor(logging.INFO),
+    )

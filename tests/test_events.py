@@ -218,3 +218,63 @@ def test_an_event_nobody_wants_is_not_queued_and_declared_interests_are_honoured
     assert everything == [finished, stored]  # subscribed before the dispatcher ran
     assert not bus.wants(JobFinished)  # closed: nothing is queued any more
     unsubscribe()
+
+
+def test_a_subscriber_that_wants_events_only_at_times_is_asked_at_every_emit() -> None:
+    """``only(..., when=)``: an event only such a subscriber would take is queued while
+    ``when()`` says yes, and not queued at all while it says no; a subscriber without
+    ``when`` keeps wanting its kinds whatever the other one says."""
+    from batch.events import EventBus, JobFinished, only
+
+    got: list[object] = []
+    on = [False]
+    bus = EventBus(
+        [only(JobFinished, fn=got.append, when=lambda: on[0])], logging.getLogger("t"), name="t"
+    )
+    finished = JobFinished(dt.datetime.now(dt.timezone.utc), "j", "c", "done", "", 1.0)
+    assert not bus.wants(JobFinished)
+    bus.emit(finished)
+    assert bus._queue.qsize() == 0
+    on[0] = True  # asked again at the next emit: no cache keeps the old answer
+    assert bus.wants(JobFinished)
+    bus.emit(finished)
+    assert bus._queue.qsize() == 1
+    on[0] = False
+    always: list[object] = []
+    bus.subscribe(only(JobFinished, fn=always.append))
+    assert bus.wants(JobFinished)
+    bus.emit(finished)
+    bus.start()
+    bus.close()
+    # Two were queued (one for each wanting subscriber at its emit); every queued event
+    # goes to every subscriber of its kind.
+    assert always == [finished, finished]
+    assert got == [finished, finished]
+
+
+def test_the_runners_log_lines_cost_no_event_while_info_is_off(
+    db: dcache.DB, fake: FakeFetch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The runner's own log subscriber wants job events only while its logger is enabled
+    for INFO: with INFO off a submit and a job's end queue nothing (no dispatcher wake-up),
+    and once INFO is on the lines are there again, without a new runner."""
+    log = logging.getLogger("batch.test-quiet-log")
+    log.setLevel(logging.WARNING)
+    with batch.Runner(db, fake, CONFIG, log=log) as runner:
+        bus = runner._events
+        assert not bus.wants(events.JobSubmitted) and not bus.wants(events.JobFinished)
+        job_id, _ = runner.submit("alice", "gold", [{"url": "https://e.com/q1"}])
+        assert runner.wait(job_id, timeout=WAIT) is not None
+        assert bus._queue.qsize() == 0
+        with caplog.at_level(logging.INFO, logger=log.name):
+            assert bus.wants(events.JobSubmitted) and bus.wants(events.JobFinished)
+            second, _ = runner.submit("alice", "gold", [{"url": "https://e.com/q2"}])
+            assert runner.wait(second, timeout=WAIT) is not None
+            wait_for(
+                lambda: any("finished: done" in r.getMessage() for r in caplog.records),
+                "the job's end in the log",
+            )
+    messages = [r.getMessage() for r in caplog.records if r.name == log.name]
+    assert not any(job_id in m for m in messages)  # INFO was off for the first job
+    assert any(f"job {second} submitted by alice" in m for m in messages)
+    assert any(f"job {second} finished: done" in m for m in messages)
