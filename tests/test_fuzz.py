@@ -42,7 +42,7 @@ from hypothesis.stateful import (
 import batch
 import dcache
 from batch import InvalidTargetsError, Options, Target
-from batch._runner import result_json
+from batch._runner import result_json, result_of_json
 from batch._values import decode_options, encode_options
 
 WAIT = 10.0  # the most a drain may take to reach its next fetch or end
@@ -670,6 +670,54 @@ def test_a_result_is_stored_as_json_dumps_writes_it(content: str, meta: dict[str
     """The drain's shortcut for a result without meta gives json.dumps's text exactly."""
     res = batch.Result(content, meta)
     assert result_json(res) == json.dumps(res.to_json(), ensure_ascii=False, allow_nan=False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    content=st.text(
+        st.one_of(
+            st.characters(),
+            st.characters(categories=["Cs"]),
+            st.sampled_from(['"', "\\", "}", "\x01", "\u2028"]),
+        )
+    ),
+    meta=st.one_of(st.just({}), st.dictionaries(plain_text, st.one_of(plain_text, st.integers()))),
+)
+def test_a_stored_result_reads_back_as_it_was_written(content: str, meta: dict[str, Any]) -> None:
+    """The status read's decoding gives back the result the drain stored, as json.loads
+    and Result.from_json would."""
+    res = batch.Result(content, meta)
+    text = result_json(res)
+    assert result_of_json(text) == batch.Result.from_json(json.loads(text)) == res
+
+
+def _decoded(decode: Any, text: str) -> object:
+    try:
+        return decode(text)
+    except (ValueError, TypeError, AttributeError, RecursionError):
+        return "unreadable"  # what a status read reports for the target
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    text=st.one_of(
+        st.text(),
+        st.builds(
+            lambda body, end: '{"content": "' + body + end,
+            st.lists(
+                st.one_of(st.characters(), st.sampled_from(['"', "\\", "\\u00e9", '"}', "\x01"]))
+            ).map("".join),
+            st.sampled_from(['"}', '"} ', '", "meta": {}}', '"}}', "}", ""]),
+        ),
+    )
+)
+def test_any_stored_text_reads_as_json_loads_reads_it(text: str) -> None:
+    """Whatever text a result column holds (written by an older version, or damaged), the
+    status read's decoding and ``Result.from_json(json.loads(text))`` agree: the same
+    result, or both unreadable."""
+    assert _decoded(result_of_json, text) == _decoded(
+        lambda t: batch.Result.from_json(json.loads(t)), text
+    )
 
 
 @settings(max_examples=200, deadline=None)
