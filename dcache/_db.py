@@ -7,6 +7,7 @@ import datetime as dt
 import logging
 import secrets
 import sqlite3
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -489,14 +490,17 @@ class Writer:
 
     def __init__(self, db: DB) -> None:
         self._db = db
-        self._open = False
+        self._open: weakref.finalize[[], Writer] | None = None
 
     def __enter__(self) -> Writer:
-        if not self._open:
+        if self._open is None or not self._open.alive:
             # Open, the group writer expects this drain's outcomes (a leader waits a
-            # moment for them: see GroupWriter._gather).
-            self._db._group.opened()
-            self._open = True
+            # moment for them: see GroupWriter._gather). One dropped without close()
+            # (a caller's bug) is closed when it is collected: otherwise every commit of
+            # the store would wait a slice for outcomes that never come.
+            group = self._db._group
+            group.opened()
+            self._open = weakref.finalize(self, group.closed)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -504,9 +508,8 @@ class Writer:
 
     def close(self) -> None:
         """The group writer no longer waits for this drain's outcomes. Idempotent."""
-        if self._open:
-            self._open = False
-            self._db._group.closed()
+        if self._open is not None:
+            self._open()  # calls group.closed() once, whoever comes first
 
     def write_target(
         self,

@@ -941,6 +941,45 @@ def test_a_leader_waits_one_slice_for_an_open_writer_that_does_not_write(
         assert time.monotonic() - t0 < 0.9  # no slice waited
 
 
+def test_a_writer_dropped_without_close_stops_being_waited_for(
+    db: DB, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller's writer entered and dropped, never closed: once it is collected the
+    group writer stops counting on it, so a lone drain's commit waits for nobody."""
+    import gc
+
+    from dcache import _writer
+
+    monkeypatch.setattr(_writer, "GATHER_SLICE", 1.0)
+    monkeypatch.setattr(_writer, "GATHER_MAX", 30.0)
+    job = created(db, n=1)
+    before = db._group._open
+    leaked = db.writer()
+    leaked.__enter__()
+    assert db._group._open == before + 1
+    del leaked
+    gc.collect()
+    assert db._group._open == before
+    with db.writer() as writer:
+        t0 = time.monotonic()
+        assert writer.write_target(job.id, 0, status="done", ttl=TTL, now=T0).stored
+        assert time.monotonic() - t0 < 0.9  # no slice waited for the dropped writer
+    assert db._group._open == before
+
+
+def test_a_writer_can_be_entered_again_after_close(db: DB) -> None:
+    """Closing twice counts once; entering again after close opens it again."""
+    before = db._group._open
+    writer = db.writer()
+    with writer:
+        assert db._group._open == before + 1
+    writer.close()
+    assert db._group._open == before
+    with writer, writer:  # entered twice while open: still one
+        assert db._group._open == before + 1
+    assert db._group._open == before
+
+
 def test_a_writer_closing_stops_a_leader_waiting_for_it(
     db: DB, monkeypatch: pytest.MonkeyPatch
 ) -> None:
