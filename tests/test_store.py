@@ -2002,13 +2002,13 @@ def test_stores_of_one_kind_share_their_compiled_statements(
     configured alike reuses the first's compiled statements; another configuration does not."""
     from sqlalchemy.dialects.postgresql import psycopg
 
-    from dcache._prepared import Prepared
+    from dcache import _prepared
     from dcache._shared import Q_STATUS
+
+    Prepared = _prepared.Prepared
 
     def another() -> DB:
         return DB.memory() if backend == "memory" else DB.open(backend_url(backend, tmp_path))
-
-    from dcache import _prepared
 
     with another(), another():  # (a dialect may set itself up as it first compiles)
         known = len(_prepared._CACHE)
