@@ -500,7 +500,7 @@ class Writer:
             # the store would wait a slice for outcomes that never come.
             group = self._db._group
             group.opened()
-            self._open = weakref.finalize(self, group.closed)
+            self._open = weakref.finalize(self, group.dropped)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -508,8 +508,8 @@ class Writer:
 
     def close(self) -> None:
         """The group writer no longer waits for this drain's outcomes. Idempotent."""
-        if self._open is not None:
-            self._open()  # calls group.closed() once, whoever comes first
+        if self._open is not None and self._open.detach() is not None:
+            self._db._group.closed()
 
     def write_target(
         self,

@@ -27,6 +27,7 @@ that did commit a no-op.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime as dt
 import functools
@@ -215,6 +216,7 @@ class GroupWriter:
         self._leading = False  # a thread is committing a batch
         self._closers = 0  # close() calls waiting for the lead to end
         self._open = 0  # drains with a writer open (DB.writer): the outcomes to expect
+        self._dropped: collections.deque[None] = collections.deque()  # see dropped()
         self._gathering = False  # a leader waits on _arrived for the other drains' outcomes
         self._arrived = threading.Condition(self._mutex)
         self._conn: Connection | None = None
@@ -255,6 +257,7 @@ class GroupWriter:
             self._queued.append(mine)
             lead = not self._leading
             self._leading = True
+            self._settle_dropped()
             if self._gathering and len(self._queued) >= min(self._open, MAX_BATCH):
                 self._arrived.notify()  # the batch is complete (see _gather)
         if not lead:
@@ -281,6 +284,7 @@ class GroupWriter:
     def opened(self) -> None:
         """A drain's writer opened: the leader expects its outcomes (see _gather)."""
         with self._mutex:
+            self._settle_dropped()
             self._open += 1
 
     def closed(self) -> None:
@@ -289,6 +293,22 @@ class GroupWriter:
             self._open -= 1
             if self._gathering:
                 self._arrived.notify()
+
+    def dropped(self) -> None:
+        """A drain's writer was collected without being closed (its finalizer).
+
+        The garbage collector may call this on a thread that holds _mutex already, so it
+        takes no lock: the count is settled by the next thread that holds the mutex
+        (see _settle_dropped); a leader gathering meanwhile waits out one slice at most.
+        """
+        self._dropped.append(None)  # deque.append: atomic
+
+    def _settle_dropped(self) -> None:
+        """(Holding _mutex.) Count the writers collected without being closed."""
+        dropped = self._dropped
+        while dropped:
+            dropped.popleft()
+            self._open -= 1
 
     def _gather(self) -> None:
         """(Leader, holding _mutex.) Wait a moment for the other open drains' outcomes.
@@ -304,6 +324,7 @@ class GroupWriter:
         at the GIL from the drains still to arrive (eight drains on SQLite, 1,536
         outcomes: about 480 commits before, 310 after).
         """
+        self._settle_dropped()
         queued = self._queued
         if len(queued) >= min(self._open, MAX_BATCH):
             return
@@ -316,6 +337,7 @@ class GroupWriter:
                 if left <= 0:
                     break
                 self._arrived.wait(min(GATHER_SLICE, left))
+                self._settle_dropped()
                 if len(queued) == seen:
                     break  # nobody came within a slice
         finally:

@@ -959,12 +959,36 @@ def test_a_writer_dropped_without_close_stops_being_waited_for(
     assert db._group._open == before + 1
     del leaked
     gc.collect()
-    assert db._group._open == before
     with db.writer() as writer:
+        assert db._group._open == before + 1  # the dropped one is no longer counted
         t0 = time.monotonic()
         assert writer.write_target(job.id, 0, status="done", ttl=TTL, now=T0).stored
         assert time.monotonic() - t0 < 0.9  # no slice waited for the dropped writer
     assert db._group._open == before
+
+
+def test_a_writer_collected_while_the_group_mutex_is_held_does_not_deadlock(db: DB) -> None:
+    """The collector may finalize a dropped writer on a thread that holds the group
+    writer's (non-reentrant) mutex: the finalizer takes no lock."""
+    group = db._group
+    before = group._open
+    leaked = db.writer()
+    leaked.__enter__()
+    finalizer = leaked._open
+    assert finalizer is not None
+    done = threading.Event()
+
+    def collect_under_the_mutex() -> None:
+        with group._mutex:
+            finalizer()  # what the collector runs when the writer is unreachable
+        done.set()
+
+    thread = threading.Thread(target=collect_under_the_mutex, daemon=True)
+    thread.start()
+    assert done.wait(10), "the finalizer blocked on the mutex its thread holds"
+    leaked.close()  # finalized already: counted once, not twice
+    db.writer().__enter__().close()  # a mutex holder settles the count
+    assert group._open == before
 
 
 def test_a_writer_can_be_entered_again_after_close(db: DB) -> None:
