@@ -322,7 +322,7 @@ class GroupWriter:
         The leader is woken when the batch is complete (an outcome of every open drain
         queued) or a drain's writer closes, not at every arrival: each wake-up took a turn
         at the GIL from the drains still to arrive (eight drains on SQLite, 1,536
-        outcomes: about 480 commits before, 310 after).
+        outcomes: about 480 commits before, 330 after).
         """
         self._settle_dropped()
         queued = self._queued
