@@ -257,8 +257,7 @@ class GroupWriter:
             self._queued.append(mine)
             lead = not self._leading
             self._leading = True
-            self._settle_dropped()
-            if self._gathering and len(self._queued) >= min(self._open, MAX_BATCH):
+            if self._gathering and len(self._queued) >= self._expected():
                 self._arrived.notify()  # the batch is complete (see _gather)
         if not lead:
             mine.wake.acquire()  # answered, or handed the lead
@@ -298,8 +297,9 @@ class GroupWriter:
         """A drain's writer was collected without being closed (its finalizer).
 
         The garbage collector may call this on a thread that holds _mutex already, so it
-        takes no lock: the count is settled by the next thread that holds the mutex
-        (see _settle_dropped); a leader gathering meanwhile waits out one slice at most.
+        takes no lock: the count is settled by the next thread that holds the mutex and
+        reads or changes it (see _expected); a leader gathering meanwhile waits out one
+        slice at most.
         """
         self._dropped.append(None)  # deque.append: atomic
 
@@ -309,6 +309,12 @@ class GroupWriter:
         while dropped:
             dropped.popleft()
             self._open -= 1
+
+    def _expected(self) -> int:
+        """(Holding _mutex.) The outcomes a complete batch holds: one from every open
+        drain, at most MAX_BATCH."""
+        self._settle_dropped()
+        return min(self._open, MAX_BATCH)
 
     def _gather(self) -> None:
         """(Leader, holding _mutex.) Wait a moment for the other open drains' outcomes.
@@ -324,20 +330,18 @@ class GroupWriter:
         at the GIL from the drains still to arrive (eight drains on SQLite, 1,536
         outcomes: about 480 commits before, 330 after).
         """
-        self._settle_dropped()
         queued = self._queued
-        if len(queued) >= min(self._open, MAX_BATCH):
+        if len(queued) >= self._expected():
             return
         deadline = time.monotonic() + GATHER_MAX
         self._gathering = True
         try:
-            while len(queued) < min(self._open, MAX_BATCH):
+            while len(queued) < self._expected():
                 seen = len(queued)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._arrived.wait(min(GATHER_SLICE, left))
-                self._settle_dropped()
                 if len(queued) == seen:
                     break  # nobody came within a slice
         finally:
