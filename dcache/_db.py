@@ -20,6 +20,7 @@ from sqlalchemy.pool import NullPool, Pool, QueuePool
 from . import _sql as sql
 from ._admin import AdminQueries
 from ._changes import JobChanges
+from ._checkpoint import Checkpointer
 from ._ddl import SchemaSetup
 from ._engine import WRITE_OPTION, prepare_engine
 from ._errors import ResultTooLargeError, StoreError, wrap_errors
@@ -204,6 +205,10 @@ class DB(
         self._wctl = self._writing(ctl)
         self._wwriter = self._writing(writer)
         self._group = GroupWriter(self)
+        # SQLite: WAL checkpoints on a thread and connection of their own, started when
+        # the group writer first asks (dcache._checkpoint).
+        self._checkpoint_raw = _aux_engine(engine) if self.dialect == "sqlite" else None
+        self._checkpointer = Checkpointer(self._checkpoint_raw)
         types = [c.type for c in (*JOB_COLS, *TARGET_COLS)]
         self._status_read = Prepared(Q_STATUS, engine.dialect, types)
         self._status_brief = Prepared(Q_STATUS_BRIEF, engine.dialect, [*types, Integer()])
@@ -409,7 +414,10 @@ class DB(
 
     def _dispose(self) -> None:
         self._group.close()
-        for aux in self._aux_raw:
+        self._checkpointer.close()
+        for aux in (*self._aux_raw, self._checkpoint_raw):
+            if aux is None:
+                continue
             # Always ours, even on a caller's engine: only their own connections are closed.
             aux.dispose()
         if self._owns_engine:

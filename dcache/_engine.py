@@ -45,6 +45,7 @@ from sqlalchemy import Connection, Engine, event
 from sqlalchemy.engine import ExceptionContext
 
 from . import _sql as sql
+from ._checkpoint import AUTOCHECKPOINT_PAGES
 from ._errors import is_sqlite_busy
 
 __all__ = ["WRITE_OPTION", "prepare_engine"]
@@ -269,6 +270,10 @@ def _install_sqlite_hooks(engine: Engine, *, synchronous: str, busy_timeout: flo
                 ):
                     with attempt:
                         cur.execute(sql.SQLITE_WAL)
+            if str(mode).lower() != "memory":
+                # The store's checkpointer thread keeps the log short; a connection
+                # checkpoints on its own commit only past this bound (dcache._checkpoint).
+                cur.execute(sql.sqlite_autocheckpoint(AUTOCHECKPOINT_PAGES))
             cur.execute(durability)
             cur.execute(foreign_keys)
         finally:

@@ -8,6 +8,7 @@ and compiled per dialect. What is left is spelled here, once, each with its reas
   write lock up front, as ``FOR UPDATE`` renders nothing on SQLite). Core has no
   construct for either.
 - MySQL/MariaDB server variables and the catalog of collations, read once per store.
+- SQLite's WAL checkpoints, moved off the write path (see ``dcache._checkpoint``).
 - ``ALTER TABLE ... ADD COLUMN``: Core compiles the column (``CreateColumn``) but has no
   statement that adds one to an existing table (that is Alembic's job, too heavy here).
 """
@@ -19,6 +20,7 @@ __all__ = [
     "MYSQL_MAX_PACKET",
     "SQLITE_BEGIN",
     "SQLITE_BEGIN_WRITE",
+    "SQLITE_CHECKPOINT",
     "SQLITE_COMMIT",
     "SQLITE_ENCODING",
     "SQLITE_JOURNAL_MODE",
@@ -27,6 +29,7 @@ __all__ = [
     "SQLITE_WAL",
     "SYNCHRONOUS",
     "add_column",
+    "sqlite_autocheckpoint",
     "sqlite_pragmas",
 ]
 
@@ -41,6 +44,8 @@ SQLITE_ENCODING = "PRAGMA encoding"
 # Give back the connection's unused page cache: after a slice of a large value is read,
 # so its pages do not stay cached (up to 2 MiB a connection) for a value read once.
 SQLITE_SHRINK_MEMORY = "PRAGMA shrink_memory"
+# A checkpoint that waits for no reader or writer (see dcache._checkpoint).
+SQLITE_CHECKPOINT = "PRAGMA wal_checkpoint(PASSIVE)"
 
 MYSQL_MAX_PACKET = "SELECT @@max_allowed_packet"
 # Which of the wanted collations this server has (an expanding ``names`` parameter).
@@ -63,6 +68,11 @@ def sqlite_pragmas(*, busy_timeout: float, synchronous: str) -> tuple[str, str, 
         f"PRAGMA synchronous = {synchronous}",
         "PRAGMA foreign_keys = ON",
     )
+
+
+def sqlite_autocheckpoint(pages: int) -> str:
+    """A connection's own WAL checkpoint threshold, in pages (a PRAGMA takes no parameter)."""
+    return f"PRAGMA wal_autocheckpoint = {int(pages)}"
 
 
 def add_column(table: str, column_ddl: str) -> str:

@@ -222,6 +222,7 @@ class GroupWriter:
         self._conn: Connection | None = None
         self._current: _Outcome | None = None  # the outcome whose statements are running
         self._sqlite = dialect.name == "sqlite"
+        self._wal = False  # SQLite in WAL mode: the checkpointer is told of commits
         self.commits = 0  # transactions committed (tests and benchmarks read it)
 
     def write(
@@ -384,7 +385,20 @@ class GroupWriter:
         if self._conn is None or self._conn.invalidated or self._conn.closed:
             self._drop()
             self._conn = self._db._write_connection()
+            if self._sqlite:
+                self._wal = self._checkpoint_elsewhere(self._conn)
         return self._conn
+
+    @staticmethod
+    def _checkpoint_elsewhere(conn: Connection) -> bool:
+        """SQLite: whether the database is in WAL mode, so that the store's checkpointer
+        thread is to be told of this writer's commits (see ``dcache._checkpoint``)."""
+        try:
+            dbapi: Any = conn.connection.driver_connection
+            mode = dbapi.execute(_sql.SQLITE_JOURNAL_MODE).fetchone()
+        except Exception:
+            return False  # the commit will tell what is wrong; the bound holds meanwhile
+        return mode is not None and str(mode[0]).lower() == "wal"  # not an in-memory one
 
     def _commit(self, batch: list[_Outcome]) -> None:
         """Commit ``batch`` in one transaction; answer every outcome in it."""
@@ -400,6 +414,8 @@ class GroupWriter:
                 self.commits += 1
                 for outcome, answer in zip(pending, answers, strict=True):
                     outcome.answer = answer
+                if self._wal:
+                    self._db._checkpointer.committed()
                 return
             except sa_exc.SQLAlchemyError as exc:
                 err = translate(exc)

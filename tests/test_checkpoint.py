@@ -1,0 +1,168 @@
+"""SQLite's WAL checkpoints run on the store's checkpointer thread, not on drains' commits.
+
+SQLite only (the servers checkpoint on their own). Real files, real threads: a drain's
+writes grow the log, the thread copies it back into the database file, the connections'
+own threshold bounds the log should the thread not run, and closing the store stops it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import sqlite3
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from _fetchers import wait_for
+
+import dcache
+from dcache import DB, NewTarget
+from dcache._checkpoint import AUTOCHECKPOINT_PAGES, EVERY_COMMITS, Checkpointer
+
+TTL = dt.timedelta(hours=1)
+RESULT = '{"content": "' + "x" * 1000 + '"}'
+THREAD = "dcache-checkpoint"
+
+
+def new_job(db: DB, n: int) -> str:
+    job_id = uuid.uuid4().hex
+    out = db.submit(
+        job_id=job_id,
+        caller="alice",
+        caller_class="user",
+        idem_key=uuid.uuid4().hex * 2,
+        targets=[NewTarget(f"https://checkpoint.example/{job_id}/{i}", "{}") for i in range(n)],
+        ttl=TTL,
+        jobs_per_caller=10_000,
+        jobs_total=10_000,
+    )
+    assert out.kind == "created"
+    return job_id
+
+
+def drain_commits(db: DB, commits: int) -> None:
+    """``commits`` per-target writes, each its own commit (one drain, so no batching)."""
+    per_job = 32
+    with db.writer() as writer:
+        for _ in range(-(-commits // per_job)):
+            job_id = new_job(db, per_job)
+            for idx in range(per_job):
+                writer.write_target(job_id, idx, status="done", result=RESULT, ttl=TTL)
+
+
+def checkpoint_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == THREAD]
+
+
+@pytest.fixture
+def file_db(tmp_path: Path) -> Iterator[DB]:
+    db = DB.open(f"sqlite:///{tmp_path / 'store.sqlite3'}")
+    yield db
+    db.close()
+
+
+def test_the_stores_connections_checkpoint_on_their_own_only_past_the_bound(
+    file_db: DB,
+) -> None:
+    with file_db.engine.connect() as conn:
+        pages = conn.exec_driver_sql("PRAGMA wal_autocheckpoint").scalar()
+    assert pages == AUTOCHECKPOINT_PAGES > 1000  # SQLite's default is 1,000
+
+
+def test_a_drains_commits_wake_the_thread_that_copies_the_log_back(
+    file_db: DB, tmp_path: Path
+) -> None:
+    """No commit crosses the connections' bound here, so only the thread can have copied
+    the log's pages into the database file."""
+    path = tmp_path / "store.sqlite3"
+    size_before = path.stat().st_size
+    checkpointer = file_db._checkpointer
+    drain_commits(file_db, EVERY_COMMITS)
+    wait_for(lambda: checkpointer.checkpoints >= 1, "a checkpoint by the thread")
+    assert len(checkpoint_threads()) == 1
+    wal_pages = (tmp_path / "store.sqlite3-wal").stat().st_size // 4096
+    assert wal_pages < AUTOCHECKPOINT_PAGES  # the bound was not what checkpointed
+    # The pages of ~256 targets of 1 KiB each are in the database file now.
+    assert path.stat().st_size >= size_before + EVERY_COMMITS * 1024
+    assert checkpointer.failures == 0
+
+
+def test_fewer_commits_than_a_wake_up_start_no_thread(file_db: DB) -> None:
+    drain_commits(file_db, EVERY_COMMITS - 32)
+    assert file_db._checkpointer.checkpoints == 0
+    assert checkpoint_threads() == []
+
+
+def test_closing_the_store_stops_the_thread(tmp_path: Path) -> None:
+    db = DB.open(f"sqlite:///{tmp_path / 'store.sqlite3'}")
+    drain_commits(db, EVERY_COMMITS)
+    wait_for(lambda: db._checkpointer.checkpoints >= 1, "a checkpoint by the thread")
+    (thread,) = checkpoint_threads()
+    db.close()
+    assert not thread.is_alive()
+    db._checkpointer.wake()  # closed: starts nothing
+    assert checkpoint_threads() == []
+
+
+def test_what_was_written_reads_back_after_the_thread_checkpointed(
+    file_db: DB, tmp_path: Path
+) -> None:
+    """The copied-back database file alone (the log deleted) holds every commit."""
+    drain_commits(file_db, EVERY_COMMITS)
+    wait_for(lambda: file_db._checkpointer.checkpoints >= 1, "a checkpoint by the thread")
+    done = sum(1 for j in file_db.list_jobs(limit=1000) if j.status == "done")
+    file_db.close()
+    # Closing the last connection checkpoints the rest and removes the log; read the file
+    # with a plain sqlite3 connection.
+    assert not (tmp_path / "store.sqlite3-wal").exists()
+    with sqlite3.connect(tmp_path / "store.sqlite3") as raw:
+        query = "SELECT count(*) FROM batch_target WHERE status = 'done'"
+        (stored,) = raw.execute(query).fetchone()
+    assert stored == EVERY_COMMITS
+    assert done == EVERY_COMMITS // 32
+
+
+def test_an_in_memory_store_has_no_log_and_no_thread() -> None:
+    db = DB.memory()
+    try:
+        drain_commits(db, EVERY_COMMITS + 32)
+        assert db._checkpointer.checkpoints == 0
+        assert checkpoint_threads() == []
+    finally:
+        db.close()
+
+
+def test_a_checkpoint_that_fails_is_counted_and_not_raised(tmp_path: Path) -> None:
+    """A store file that cannot be opened (its directory is gone): the thread goes on."""
+    from sqlalchemy import create_engine
+
+    engine = create_engine(f"sqlite:///{tmp_path / 'missing' / 'store.sqlite3'}")
+    checkpointer = Checkpointer(engine)
+    try:
+        assert checkpointer.checkpoint() is None
+        assert checkpointer.failures == 1
+    finally:
+        checkpointer.close()
+        engine.dispose()
+
+
+def test_a_store_on_a_shared_single_connection_gets_no_thread(tmp_path: Path) -> None:
+    """A ``StaticPool`` shares one connection: the thread must not use it concurrently."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.pool import StaticPool
+
+    engine = create_engine(
+        f"sqlite:///{tmp_path / 'store.sqlite3'}",
+        poolclass=StaticPool,
+        connect_args={"check_same_thread": False},
+    )
+    db = dcache.DB(engine)
+    try:
+        drain_commits(db, EVERY_COMMITS + 32)
+        assert db._checkpointer.checkpoints == 0
+        assert checkpoint_threads() == []
+    finally:
+        db.close()
+        engine.dispose()
