@@ -9,9 +9,9 @@ measurements are in docs/performance.md).
 
 So the store moves that work to a :class:`Checkpointer` thread: the store's connections
 checkpoint on their own commits only past :data:`AUTOCHECKPOINT_PAGES` (a bound, should
-the thread fall behind or not run), and every :data:`EVERY_COMMITS` of the group writer's
-commits wake the thread, which runs a ``PASSIVE`` checkpoint on a connection of its own.
-``PASSIVE`` waits for no reader or writer: drains keep committing meanwhile, and SQLite
+the thread fall behind or not run), and every :data:`EVERY_OUTCOMES` outcomes the group
+writer commits wake the thread, which runs a ``PASSIVE`` checkpoint on a connection of its
+own. ``PASSIVE`` waits for no reader or writer: drains keep committing meanwhile, and SQLite
 releases the GIL while it copies and syncs, so on a machine with a second core the work
 overlaps theirs. Durability is unchanged: a commit is as durable as ``synchronous``
 makes it whether or not its pages have been copied back yet.
@@ -31,7 +31,7 @@ from . import _sql
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
-__all__ = ["AUTOCHECKPOINT_PAGES", "EVERY_COMMITS", "Checkpointer"]
+__all__ = ["AUTOCHECKPOINT_PAGES", "EVERY_OUTCOMES", "Checkpointer"]
 
 log = logging.getLogger("dcache")
 
@@ -42,9 +42,9 @@ log = logging.getLogger("dcache")
 # then grows to this bound, and the commit that crosses it copies back the few pages left
 # and lets the log start over.
 AUTOCHECKPOINT_PAGES = 4_000
-# Group-writer commits between two wake-ups of the thread: a per-target commit adds a few
-# pages to the log, so this checkpoints about as often as SQLite's default would.
-EVERY_COMMITS = 256
+# Outcomes committed by the group writer between two wake-ups of the thread: each adds a
+# few pages to the log, so this checkpoints about as often as SQLite's default would.
+EVERY_OUTCOMES = 256
 
 
 class Checkpointer:
@@ -52,8 +52,8 @@ class Checkpointer:
 
     :meth:`committed` is called by the group writer after each of its commits (on a WAL
     database only: see ``GroupWriter._connection``); it costs a counter increment, and
-    every :data:`EVERY_COMMITS` calls it wakes the thread, started on first need (and
-    again in a forked child, where the parent's thread does not exist).
+    every :data:`EVERY_OUTCOMES` outcomes committed it wakes the thread, started on first
+    need (and again in a forked child, where the parent's thread does not exist).
     """
 
     def __init__(self, engine: Engine | None) -> None:
@@ -62,14 +62,18 @@ class Checkpointer:
         self._lock = threading.Lock()  # guards _thread and _closed
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._since = 0  # commits since the thread was last woken
+        self._since = 0  # outcomes committed since the thread was last woken
         self.checkpoints = 0  # checkpoints run (tests read it)
         self.failures = 0  # checkpoints that raised (busy, I/O); tried again next time
 
-    def committed(self) -> None:
-        """The group writer committed a batch (see the class docstring)."""
-        self._since += 1  # one writer at a time calls this: the group writer's leader
-        if self._since >= EVERY_COMMITS:
+    def committed(self, outcomes: int) -> None:
+        """The group writer committed a batch of ``outcomes`` (see the class docstring).
+
+        Counted in outcomes, not commits: a batch of eight drains' outcomes adds about
+        eight times the pages of one.
+        """
+        self._since += outcomes  # one writer at a time calls this: the group writer's leader
+        if self._since >= EVERY_OUTCOMES:
             self._since = 0
             self.wake()
 

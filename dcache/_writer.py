@@ -415,7 +415,7 @@ class GroupWriter:
                 for outcome, answer in zip(pending, answers, strict=True):
                     outcome.answer = answer
                 if self._wal:
-                    self._db._checkpointer.committed()
+                    self._db._checkpointer.committed(len(pending))
                 return
             except sa_exc.SQLAlchemyError as exc:
                 err = translate(exc)

@@ -19,7 +19,7 @@ from _fetchers import wait_for
 
 import dcache
 from dcache import DB, NewTarget
-from dcache._checkpoint import AUTOCHECKPOINT_PAGES, EVERY_COMMITS, Checkpointer
+from dcache._checkpoint import AUTOCHECKPOINT_PAGES, EVERY_OUTCOMES, Checkpointer
 
 TTL = dt.timedelta(hours=1)
 RESULT = '{"content": "' + "x" * 1000 + '"}'
@@ -79,25 +79,25 @@ def test_a_drains_commits_wake_the_thread_that_copies_the_log_back(
     path = tmp_path / "store.sqlite3"
     size_before = path.stat().st_size
     checkpointer = file_db._checkpointer
-    drain_commits(file_db, EVERY_COMMITS)
+    drain_commits(file_db, EVERY_OUTCOMES)
     wait_for(lambda: checkpointer.checkpoints >= 1, "a checkpoint by the thread")
     assert len(checkpoint_threads()) == 1
     wal_pages = (tmp_path / "store.sqlite3-wal").stat().st_size // 4096
     assert wal_pages < AUTOCHECKPOINT_PAGES  # the bound was not what checkpointed
     # The pages of ~256 targets of 1 KiB each are in the database file now.
-    assert path.stat().st_size >= size_before + EVERY_COMMITS * 1024
+    assert path.stat().st_size >= size_before + EVERY_OUTCOMES * 1024
     assert checkpointer.failures == 0
 
 
 def test_fewer_commits_than_a_wake_up_start_no_thread(file_db: DB) -> None:
-    drain_commits(file_db, EVERY_COMMITS - 32)
+    drain_commits(file_db, EVERY_OUTCOMES - 32)
     assert file_db._checkpointer.checkpoints == 0
     assert checkpoint_threads() == []
 
 
 def test_closing_the_store_stops_the_thread(tmp_path: Path) -> None:
     db = DB.open(f"sqlite:///{tmp_path / 'store.sqlite3'}")
-    drain_commits(db, EVERY_COMMITS)
+    drain_commits(db, EVERY_OUTCOMES)
     wait_for(lambda: db._checkpointer.checkpoints >= 1, "a checkpoint by the thread")
     (thread,) = checkpoint_threads()
     db.close()
@@ -110,7 +110,7 @@ def test_what_was_written_reads_back_after_the_thread_checkpointed(
     file_db: DB, tmp_path: Path
 ) -> None:
     """The copied-back database file alone (the log deleted) holds every commit."""
-    drain_commits(file_db, EVERY_COMMITS)
+    drain_commits(file_db, EVERY_OUTCOMES)
     wait_for(lambda: file_db._checkpointer.checkpoints >= 1, "a checkpoint by the thread")
     done = sum(1 for j in file_db.list_jobs(limit=1000) if j.status == "done")
     file_db.close()
@@ -120,14 +120,14 @@ def test_what_was_written_reads_back_after_the_thread_checkpointed(
     with sqlite3.connect(tmp_path / "store.sqlite3") as raw:
         query = "SELECT count(*) FROM batch_target WHERE status = 'done'"
         (stored,) = raw.execute(query).fetchone()
-    assert stored == EVERY_COMMITS
-    assert done == EVERY_COMMITS // 32
+    assert stored == EVERY_OUTCOMES
+    assert done == EVERY_OUTCOMES // 32
 
 
 def test_an_in_memory_store_has_no_log_and_no_thread() -> None:
     db = DB.memory()
     try:
-        drain_commits(db, EVERY_COMMITS + 32)
+        drain_commits(db, EVERY_OUTCOMES + 32)
         assert db._checkpointer.checkpoints == 0
         assert checkpoint_threads() == []
     finally:
@@ -160,9 +160,64 @@ def test_a_store_on_a_shared_single_connection_gets_no_thread(tmp_path: Path) ->
     )
     db = dcache.DB(engine)
     try:
-        drain_commits(db, EVERY_COMMITS + 32)
+        drain_commits(db, EVERY_OUTCOMES + 32)
         assert db._checkpointer.checkpoints == 0
         assert checkpoint_threads() == []
     finally:
         db.close()
         engine.dispose()
+
+
+def test_outcomes_not_commits_wake_the_thread(file_db: DB) -> None:
+    """Eight drains share commits; each outcome still adds its pages to the log."""
+    drains = 8
+    jobs = [new_job(file_db, EVERY_OUTCOMES // drains) for _ in range(drains)]
+    errors: list[BaseException] = []
+
+    def drain(job_id: str) -> None:
+        try:
+            with file_db.writer() as writer:
+                for idx in range(EVERY_OUTCOMES // drains):
+                    writer.write_target(job_id, idx, status="done", result=RESULT, ttl=TTL)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=drain, args=(j,)) for j in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert file_db._group.commits < EVERY_OUTCOMES  # batches of several outcomes
+    wait_for(lambda: file_db._checkpointer.checkpoints >= 1, "a checkpoint by the thread")
+
+
+def test_two_stores_on_one_file_checkpoint_side_by_side(tmp_path: Path) -> None:
+    """Two stores (two processes' worth of connections and threads) draining one file:
+    their checkpoints overlap or take turns; no write fails and nothing is lost."""
+    url = f"sqlite:///{tmp_path / 'store.sqlite3'}"
+    stores = [DB.open(url), DB.open(url)]
+    errors: list[BaseException] = []
+
+    def drain(db: DB) -> None:
+        try:
+            drain_commits(db, 3 * EVERY_OUTCOMES)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=drain, args=(db,)) for db in stores]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        for db in stores:
+            wait_for(lambda db=db: db._checkpointer.checkpoints >= 1, "each store's checkpoint")
+        with stores[0].engine.connect() as conn:
+            query = "SELECT count(*) FROM batch_target WHERE status = 'done'"
+            done = conn.exec_driver_sql(query).scalar()
+        assert done == 2 * 3 * EVERY_OUTCOMES
+    finally:
+        for db in stores:
+            db.close()
