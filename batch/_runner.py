@@ -111,6 +111,9 @@ class _Drain:
     done: threading.Event = attrs.Factory(threading.Event)  # the drain has ended
     shutdown: bool = False
     thread: threading.Thread | None = None
+    # The job as the drain's own last write ended it (WriteOutcome.job): what wait()
+    # answers without reading it again.
+    final: JobRow | None = None
 
 
 @attrs.define(eq=False)
@@ -672,7 +675,8 @@ class Runner:
                     fetch_started = time.monotonic()
                     fields = self._call_fetch(job_id, idx, target)
                     store_started = time.monotonic()
-                    outcome = self._store(writer, job_id, idx, fields)
+                    last = idx == len(drain.targets) - 1
+                    outcome = self._store(writer, job_id, idx, fields, last=last)
                     if outcome is None:  # the store gave up; the job is left to be failed
                         self._abandon(job_id)
                         break
@@ -693,6 +697,7 @@ class Runner:
                         if outcome.status and not outcome.finished:
                             stopped_early = True
                         else:
+                            drain.final = outcome.job
                             self._finished(drain, outcome.status)
                         break
             if stopped_early:
@@ -878,9 +883,18 @@ class Runner:
         return {"status": DONE, "result": payload}
 
     def _store(
-        self, writer: dcache.Writer, job_id: str, idx: int, fields: dict[str, Any]
+        self,
+        writer: dcache.Writer,
+        job_id: str,
+        idx: int,
+        fields: dict[str, Any],
+        *,
+        last: bool = False,
     ) -> WriteOutcome | None:
-        """Write one target, retrying through outages; the fetch is never repeated."""
+        """Write one target, retrying through outages; the fetch is never repeated.
+
+        The job's ``last`` target asks for the job's row as the write leaves it
+        (``WriteOutcome.job``, kept for :meth:`wait`)."""
         extra = {"job_id": job_id}
         budget = self._config.write_retry.total_seconds()
         ttl = self._config.ttl
@@ -890,7 +904,9 @@ class Runner:
         try:
             while True:
                 try:
-                    return writer.write_target(job_id, idx, ttl=ttl, now=self._clock(), **fields)
+                    return writer.write_target(
+                        job_id, idx, ttl=ttl, now=self._clock(), job_row=last, **fields
+                    )
                 except PoolExhaustedError:
                     # Every pooled connection is busy (more live jobs than the pool holds):
                     # not an outage, so no budget runs down; the checkout itself waited.
@@ -948,6 +964,7 @@ class Runner:
                         "status": FAILED,
                         "error": _storable(f"StoreError: result refused: {exc}", 2000),
                     },
+                    last=last,
                 )
             self._log.critical(
                 "could not store job %s target %d", job_id, idx, exc_info=True, extra=extra
@@ -1080,6 +1097,11 @@ class Runner:
             if not drain.done.wait(timeout):
                 raise TimeoutError(f"job {job_id} did not finish within {timeout} s")
             _join(drain.thread, deadline)
+            final = drain.final
+            if final is not None and final.expires_at > self._clock():
+                # The drain's last write answered the job as it ended: ended jobs change
+                # no more until their lease lapses, so a read would find the same row.
+                return _job(final)
         delay = 0.01
         pause = threading.Event()  # never set: an interruptible, Event-based sleep
         while True:

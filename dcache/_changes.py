@@ -44,6 +44,7 @@ class JobChanges:
         hint: str = "",
         ttl: dt.timedelta,
         now: dt.datetime | None = None,
+        job_row: bool = False,
     ) -> WriteOutcome:
         """Store one target's outcome and move the job along, in one transaction.
 
@@ -55,6 +56,11 @@ class JobChanges:
 
         Writes of concurrent drains are committed together (group commit, see
         ``dcache._writer``); this returns once this write is committed.
+
+        With ``job_row=True`` a write that leaves the job ended and finished also answers
+        the job's row as its commit left it (``WriteOutcome.job``), from the same
+        statements: a drain asks on its last target, so that whoever waits for the job
+        needs no read of it.
         """
         if status not in (Status.DONE, Status.FAILED):
             raise ValueError(f"a target is written done or failed, not {status!r}")
@@ -68,6 +74,7 @@ class JobChanges:
             hint=hint,
             ttl=ttl,
             now=aware_now(now),
+            whole=job_row,
         )
 
     def _ttl_of(self, conn: Connection, job_id: str) -> dt.timedelta | None:

@@ -530,8 +530,17 @@ class Writer:
         hint: str = "",
         ttl: dt.timedelta,
         now: dt.datetime | None = None,
+        job_row: bool = False,
     ) -> WriteOutcome:
         """As :meth:`DB.write_target`."""
         return self._db.write_target(
-            job_id, idx, status=status, result=result, error=error, hint=hint, ttl=ttl, now=now
+            job_id,
+            idx,
+            status=status,
+            result=result,
+            error=error,
+            hint=hint,
+            ttl=ttl,
+            now=now,
+            job_row=job_row,
         )

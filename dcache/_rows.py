@@ -150,11 +150,14 @@ class WriteOutcome:
     ``stored`` is False when the target was not pending (already written, or unknown).
     ``status`` is the job's status after the write ("" for an unknown job), so a drain
     learns of a cancel made by another process; ``finished`` says the write closed the job.
+    ``job`` is the job's row as the write left it, when the write was asked for it
+    (``job_row=True``), stored the target and found the job ended and finished.
     """
 
     stored: bool
     status: str
     finished: bool = False
+    job: JobRow | None = None
 
     @property
     def running(self) -> bool:

@@ -36,6 +36,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import (
+    Boolean,
     Connection,
     and_,
     bindparam,
@@ -57,9 +58,9 @@ from ._errors import StoreError, translate
 from ._outbox import message_id, notify_statement
 from ._prepared import Prepared
 from ._reads import release_cursor, short_cursor, watched
-from ._rows import WriteOutcome
+from ._rows import JobRow, WriteOutcome
 from ._schema import FAILED, LIVE, Status, UTCDateTime, jobs, targets
-from ._shared import utf8_size
+from ._shared import JOB_COLS, job_from, utf8_size
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -77,16 +78,24 @@ GATHER_MAX = 0.002
 
 
 @functools.cache
-def _shaped(together: bool, returning: bool) -> tuple[Any, Any, Any, Any]:
+def _shaped(together: bool, returning: bool, whole: bool = False) -> tuple[Any, Any, Any, Any]:
     """The write's statements as a dialect runs them: the target's compare-and-set, the
     job's update (with the target's in one statement where ``together``, with RETURNING
     where ``returning``), the job's state and the announcement. Built once for each
-    shape, so that their compiled forms are shared by every store (see ``_prepared``)."""
+    shape, so that their compiled forms are shared by every store (see ``_prepared``).
+
+    With ``whole`` the job's state comes back with the job's every column after them (a
+    write that ends a job can answer the job as it ended, see ``GroupWriter.write``).
+    """
     target, job, read = _statements()
+    state = (jobs.c.status.label("w_status"), jobs.c.finished_at.label("w_finished_at"))
+    rest = tuple(JOB_COLS) if whole else ()
+    if whole:
+        read = select(*state, *rest).where(jobs.c.id == bindparam("job_id"))
     if together:
-        job = _together(target, job)
+        job = _together(target, job, whole)
     elif returning:
-        job = job.returning(jobs.c.status, jobs.c.finished_at)
+        job = job.returning(*state, *rest)
     return target, job, read, notify_statement()
 
 
@@ -204,6 +213,13 @@ class GroupWriter:
                 Prepared(notify, dialect),
             )
         )
+        # The same statements answering the job's every column too (write(whole=True)):
+        # its columns start at _whole_at in the row, converted by their types.
+        _, job_w, read_w, _ = _shaped(together, self._returning, whole=True)
+        self._whole_at = 3 if together else 2
+        types_w = (*result_types, *((Boolean(),) if together else ()), *(c.type for c in JOB_COLS))
+        self._job_whole = Prepared(job_w, dialect, types_w)
+        self._read_whole = Prepared(read_w, dialect, types_w)
         # _mutex guards _queued, _leading and _closers. The leader commits without holding
         # it, so drains queue behind a running commit. Each waiting drain sleeps on its own
         # outcome's lock: the leader wakes exactly the ones it answered, and hands the lead
@@ -236,10 +252,17 @@ class GroupWriter:
         hint: str,
         ttl: dt.timedelta,
         now: dt.datetime,
+        whole: bool = False,
     ) -> WriteOutcome:
-        """Store one outcome (queued with others, committed together); see the module."""
+        """Store one outcome (queued with others, committed together); see the module.
+
+        With ``whole``, a write that ends the job (or finds it ended) answers the job's
+        row as that commit left it (``WriteOutcome.job``): a drain's last target asks,
+        so that waiting for the job needs no read of it.
+        """
         mine = _Outcome(
             {
+                "whole": whole,
                 "job_id": job_id,
                 "idx": idx,
                 "status": status,
@@ -499,13 +522,16 @@ class GroupWriter:
             if len(pending) == 1:
                 cursor, held = short_cursor(pooled)
                 cursors.append(cursor)
-                cursor.execute(sql, self._job.params(pending[0].values))
+                statement = self._job_of(pending[0].values)
+                sql = statement.sql
+                cursor.execute(sql, statement.params(pending[0].values))
             else:
                 with dbapi.pipeline():
                     for outcome in pending:
                         cursor = dbapi.cursor()  # each keeps its own statement's row
                         cursors.append(cursor)
-                        cursor.execute(sql, self._job.params(outcome.values))
+                        statement = self._job_of(outcome.values)
+                        cursor.execute(statement.sql, statement.params(outcome.values))
             rows = [cursor.fetchone() for cursor in cursors]
         except Exception as exc:
             failed = True
@@ -524,7 +550,14 @@ class GroupWriter:
                 # Left in autocommit, the next batch's own transaction would not be one.
                 with contextlib.suppress(Exception):
                     conn.invalidate(exc)
-        return [self._answer(row) for row in rows]
+        return [
+            self._answer(row, outcome.values["whole"])
+            for row, outcome in zip(rows, pending, strict=True)
+        ]
+
+    def _job_of(self, values: dict[str, Any]) -> Prepared:
+        """The job's statement for an outcome (the one answering every column if asked)."""
+        return self._job_whole if values["whole"] else self._job
 
     def _one_by_one(self, conn: Connection, pending: list[_Outcome]) -> list[WriteOutcome]:
         """The batch in a transaction of its own, one statement at a time."""
@@ -566,14 +599,17 @@ class GroupWriter:
 
     def _apply(self, run: Any, values: dict[str, Any]) -> WriteOutcome:
         """One outcome's statements inside the batch's transaction."""
+        whole = values["whole"]
         if self._steps is None:  # one statement (see _together)
-            _, fetch = run(self._job, values)
-            return self._answer(fetch())
+            _, fetch = run(self._job_of(values), values)
+            return self._answer(fetch(), whole)
         target, read, notify = self._steps
+        if whole:
+            read = self._read_whole
         rowcount, _ = run(target, values)
         row = None
         if rowcount == 1:
-            _, fetch = run(self._job, values)
+            _, fetch = run(self._job_of(values), values)
             if not self._returning:
                 _, fetch = run(read, values)
             row = fetch()
@@ -586,20 +622,29 @@ class GroupWriter:
             # This write ended the job (or found it ended): its announcement, if it has a
             # URL and none is queued yet, commits with it (see dcache._outbox).
             run(notify, values)
-        return WriteOutcome(True, row[0], finished=row[1] is not None)
+        return WriteOutcome(
+            True, row[0], finished=row[1] is not None, job=self._ended(row) if whole else None
+        )
 
-    @staticmethod
-    def _answer(row: Any) -> WriteOutcome:
+    def _answer(self, row: Any, whole: bool) -> WriteOutcome:
         """The outcome of PostgreSQL's one statement, from its row (see _together)."""
         if row is None:  # the job's row is gone (purged)
             return WriteOutcome(False, "")
-        status, finished_at, written = row
+        status, finished_at, written = row[:3]
         if not written:
             return WriteOutcome(False, status)
-        return WriteOutcome(True, status, finished=finished_at is not None)
+        job = self._ended(row) if whole else None
+        return WriteOutcome(True, status, finished=finished_at is not None, job=job)
+
+    def _ended(self, row: Any) -> JobRow | None:
+        """The job's row from a whole answer, if the job has ended and finished."""
+        if row[0] in LIVE or row[1] is None:
+            return None
+        at = self._whole_at
+        return job_from(self._job_whole.convert(row, start=at)[at:])
 
 
-def _together(target: Any, job: Any) -> Any:
+def _together(target: Any, job: Any, whole: bool = False) -> Any:
     """PostgreSQL's per-target write as one statement, from the write's own statements.
 
     The target's compare-and-set in a data-modifying CTE; the job's update only where it
@@ -607,22 +652,24 @@ def _together(target: Any, job: Any) -> Any:
     outbox's own statement, reading the updated row); then one row back: the job's
     status, its finish time and whether the target was written. When it was not, the
     row is the job as it stands (every part of one statement reads the same snapshot,
-    and nothing in it changed the job).
+    and nothing in it changed the job). With ``whole`` the job's every column follows.
     """
     changed = target.returning(targets.c.job_id).cte("changed")
     wrote = select(changed.c.job_id).exists()
-    after = (
-        job.where(wrote)
-        .returning(jobs.c.id, jobs.c.caller, jobs.c.notify_url, jobs.c.status, jobs.c.finished_at)
-        .cte("after")
+    returned = (
+        JOB_COLS
+        if whole
+        else (jobs.c.id, jobs.c.caller, jobs.c.notify_url, jobs.c.status, jobs.c.finished_at)
     )
+    after = job.where(wrote).returning(*returned).cte("after")
     notified = notify_statement(after).cte("notified")
-    unchanged = select(jobs.c.status, jobs.c.finished_at, false()).where(
+    rest_after = [after.c[c.name] for c in JOB_COLS] if whole else []
+    rest_now = list(JOB_COLS) if whole else []
+    unchanged = select(jobs.c.status, jobs.c.finished_at, false(), *rest_now).where(
         jobs.c.id == bindparam("job_id"), ~wrote
     )
-    return union_all(select(after.c.status, after.c.finished_at, true()), unchanged).add_cte(
-        notified
-    )
+    written = select(after.c.status, after.c.finished_at, true(), *rest_after)
+    return union_all(written, unchanged).add_cte(notified)
 
 
 def _can_pipeline(dialect: Any) -> bool:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from _fetchers import WAIT, FakeFetch, join_threads, wait_for
 from conftest import backend_url
+from sqlalchemy import event
 
 import batch
 import dcache
@@ -958,6 +959,35 @@ def test_wait_returns_the_finished_job(runner: Runner) -> None:
     assert job.finished_at is not None
     assert job.created_at is not None and job.finished_at >= job.created_at
     assert runner.wait(job_id, timeout=0) == job  # already finished: no waiting
+
+
+def test_wait_answers_the_job_its_drain_ended_without_reading_it(
+    runner: Runner, fake: FakeFetch
+) -> None:
+    """The drain's last write answers the job as it ended: a wait for a job drained here
+    returns it, equal to a read, and the waiting thread runs no statement of its own."""
+    fake.block(B)
+    job_id = submit(runner, "alice", A, B)
+    fake.wait_entered(B)
+    waiter = threading.get_ident()
+    ran: list[str] = []
+
+    def seen(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if threading.get_ident() == waiter:
+            ran.append(statement)
+
+    event.listen(runner.db.engine, "before_cursor_execute", seen)
+    try:
+        threading.Timer(0.05, fake.release, args=(B,)).start()
+        job = runner.wait(job_id, timeout=WAIT)
+        assert ran == []
+        # The listener sees the reads this thread makes (the check above is not vacuous).
+        assert job == runner.job(job_id)
+        assert ran, "a read on this thread ran no statement the listener saw"
+    finally:
+        event.remove(runner.db.engine, "before_cursor_execute", seen)
+    assert job is not None
+    assert (job.status, job.targets_done, job.terminal) == ("done", 2, True)
 
 
 def test_wait_times_out_while_a_fetch_blocks(runner: Runner, fake: FakeFetch) -> None:

@@ -474,6 +474,46 @@ def test_a_write_after_fail_job_is_stored_and_keeps_the_failure(db: DB) -> None:
     assert stored.targets_done == 1
 
 
+def test_a_write_asked_for_the_job_answers_it_as_a_read_would(db: DB) -> None:
+    """``job_row=True``: the write that ends a job (or finds it ended) answers the job's
+    row as its commit left it, equal to a read of it; any other write answers no row."""
+    job = created(db, n=3)
+    for idx, status in enumerate(["done", "failed"]):
+        at = T0 + dt.timedelta(seconds=idx + 1)
+        out = db.write_target(job.id, idx, status=status, result="r", ttl=TTL, now=at, job_row=True)
+        assert (out.stored, out.status, out.job) == (True, "running", None)
+    at = T0 + dt.timedelta(seconds=3)
+    out = db.write_target(job.id, 2, status="done", result="r", ttl=TTL, now=at, job_row=True)
+    assert (out.stored, out.status, out.finished) == (True, "partial", True)
+    assert out.job == job_of(db, job.id)
+    assert (out.job.finished_at, out.job.expires_at, out.job.targets_done) == (at, at + TTL, 3)
+    # Not stored (written before, or no such job): no row.
+    again = db.write_target(job.id, 2, status="done", ttl=TTL, now=at, job_row=True)
+    assert (again.stored, again.job) == (False, None)
+    unknown = db.write_target(uuid.uuid4().hex, 0, status="done", ttl=TTL, now=at, job_row=True)
+    assert unknown == dcache.WriteOutcome(False, "")
+    # Not asked: no row, though the write ended the job.
+    single = created(db, n=1)
+    out = db.write_target(single.id, 0, status="done", ttl=TTL, now=at)
+    assert (out.finished, out.job) == (True, None)
+
+
+def test_a_write_asked_for_the_job_after_cancel_or_fail_answers_the_ended_job(db: DB) -> None:
+    """A write that finds its job cancelled or failed (and so finishes it) answers the
+    job as the write left it: its status, reason, times and counts."""
+    cancelled = created(db, n=3)
+    assert db.cancel(cancelled.id, now=T0)
+    at = T0 + dt.timedelta(seconds=1)
+    out = db.write_target(cancelled.id, 0, status="done", ttl=TTL, now=at, job_row=True)
+    assert out.job is not None and out.job == job_of(db, cancelled.id)
+    assert (out.job.status, out.job.finished_at, out.job.targets_done) == ("cancelled", at, 1)
+    failed = created(db, n=2)
+    assert db.fail_job(failed.id, "restart", now=T0)
+    out = db.write_target(failed.id, 0, status="done", ttl=TTL, now=at, job_row=True)
+    assert out.job is not None and out.job == job_of(db, failed.id)
+    assert (out.job.status, out.job.error, out.job.finished_at) == ("failed", "restart", T0)
+
+
 def test_each_write_is_committed_when_it_returns_and_takes_no_pooled_connection(db: DB) -> None:
     """The group writer has a connection of its own: reads and submits never wait for it."""
     job = created(db, n=3)
@@ -1144,6 +1184,48 @@ def test_a_batch_with_an_outcome_the_server_refuses_commits_the_others(db: DB) -
     assert found is not None and found[1][0].status == "pending"
     if held:  # the leader's commit, then one for the five the refusal left
         assert db._group.commits - commits_before == 2
+
+
+def test_writes_asking_for_their_jobs_in_one_batch_each_get_their_own(db: DB) -> None:
+    """Outcomes committed together (pipelined on PostgreSQL; retried one by one when the
+    server refuses one of them) each answer their own job's row, equal to a read of it."""
+    first = created(db, caller="first", n=1)
+    good = [created(db, caller=f"g{i}", n=1) for i in range(4)]
+    running = created(db, caller="running", n=2)  # its write leaves it running: no row
+    bad = created(db, caller="bad", n=1)
+    undo = _refusing_trigger(db, "refuse me")
+    outs: dict[str, dcache.WriteOutcome] = {}
+    errors: dict[str, BaseException] = {}
+
+    def write(job: JobRow, result: str) -> None:
+        try:
+            outs[job.id] = db.write_target(
+                job.id, 0, status="done", result=result, ttl=TTL, now=T0, job_row=True
+            )
+        except dcache.StoreError as exc:
+            errors[job.id] = exc
+
+    held = db.dialect != "sqlite"
+    try:
+        leader = threading.Thread(target=write, args=(first, "fine"))
+        threads = [threading.Thread(target=write, args=(j, "fine")) for j in [*good, running]]
+        threads.append(threading.Thread(target=write, args=(bad, "refuse me")))
+        if held:
+            with job_row_locked(db, first.id):
+                queue_behind_a_lock(db, leader, threads)
+        else:
+            for t in [leader, *threads]:
+                t.start()
+        join_all([leader, *threads])
+    finally:
+        undo()
+    assert set(errors) == {bad.id}
+    for job in [first, *good]:
+        out = outs[job.id]
+        assert out.job is not None and out.job.id == job.id
+        assert out.job == job_of(db, job.id)
+        assert (out.job.status, out.job.targets_done) == ("done", 1)
+    assert outs[running.id] == dcache.WriteOutcome(True, "running")
 
 
 @contextlib.contextmanager
