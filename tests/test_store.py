@@ -1142,32 +1142,29 @@ def _refusing_trigger(db: DB, marker: str) -> Any:
     return undo
 
 
-def test_a_batch_with_an_outcome_the_server_refuses_commits_the_others(db: DB) -> None:
-    """The group writer's production path (nobody watching statements; on PostgreSQL the
-    batch pipelined in one round trip): the server refuses one outcome of a batch, which
-    is answered alone with its error, and the others are committed. On the servers the
-    first writer is held on a row lock until the others have queued behind it, so they
-    form one batch for certain."""
-    first = created(db, caller="first", n=1)
-    good = [created(db, caller=f"g{i}", n=1) for i in range(5)]
-    bad = created(db, caller="bad", n=1)
+def one_batch_with_a_refusal(
+    db: DB, first: JobRow, others: list[JobRow], bad: JobRow, *, job_row: bool = False
+) -> tuple[dict[str, dcache.WriteOutcome], dict[str, BaseException]]:
+    """Write target 0 of ``first``, ``others`` and ``bad`` (whose result the server
+    refuses) at once; each job's answer or error. On the servers ``first`` is held on a
+    row lock until the others have queued behind it, so they form one batch for certain."""
     undo = _refusing_trigger(db, "refuse me")
     errors: dict[str, BaseException] = {}
     outs: dict[str, dcache.WriteOutcome] = {}
 
     def write(job: JobRow, result: str) -> None:
         try:
-            outs[job.id] = db.write_target(job.id, 0, status="done", result=result, ttl=TTL, now=T0)
+            outs[job.id] = db.write_target(
+                job.id, 0, status="done", result=result, ttl=TTL, now=T0, job_row=job_row
+            )
         except dcache.StoreError as exc:
             errors[job.id] = exc
 
-    held = db.dialect != "sqlite"
     try:
-        commits_before = db._group.commits
         leader = threading.Thread(target=write, args=(first, "fine"))
-        threads = [threading.Thread(target=write, args=(j, "fine")) for j in good]
+        threads = [threading.Thread(target=write, args=(j, "fine")) for j in others]
         threads.append(threading.Thread(target=write, args=(bad, "refuse me")))
-        if held:
+        if db.dialect != "sqlite":
             with job_row_locked(db, first.id):
                 queue_behind_a_lock(db, leader, threads)
         else:
@@ -1176,13 +1173,25 @@ def test_a_batch_with_an_outcome_the_server_refuses_commits_the_others(db: DB) -
         join_all([leader, *threads])
     finally:
         undo()
+    return outs, errors
+
+
+def test_a_batch_with_an_outcome_the_server_refuses_commits_the_others(db: DB) -> None:
+    """The group writer's production path (nobody watching statements; on PostgreSQL the
+    batch pipelined in one round trip): the server refuses one outcome of a batch, which
+    is answered alone with its error, and the others are committed."""
+    first = created(db, caller="first", n=1)
+    good = [created(db, caller=f"g{i}", n=1) for i in range(5)]
+    bad = created(db, caller="bad", n=1)
+    commits_before = db._group.commits
+    outs, errors = one_batch_with_a_refusal(db, first, good, bad)
     assert set(errors) == {bad.id}
     assert not isinstance(errors[bad.id], dcache.StoreUnavailableError)
     assert all(outs[j.id] == dcache.WriteOutcome(True, "done", True) for j in [first, *good])
     assert job_of(db, bad.id).targets_done == 0
     found = db.get_job_with_targets(bad.id, now=T0)
     assert found is not None and found[1][0].status == "pending"
-    if held:  # the leader's commit, then one for the five the refusal left
+    if db.dialect != "sqlite":  # the leader's commit, then one for the five the refusal left
         assert db._group.commits - commits_before == 2
 
 
@@ -1193,32 +1202,7 @@ def test_writes_asking_for_their_jobs_in_one_batch_each_get_their_own(db: DB) ->
     good = [created(db, caller=f"g{i}", n=1) for i in range(4)]
     running = created(db, caller="running", n=2)  # its write leaves it running: no row
     bad = created(db, caller="bad", n=1)
-    undo = _refusing_trigger(db, "refuse me")
-    outs: dict[str, dcache.WriteOutcome] = {}
-    errors: dict[str, BaseException] = {}
-
-    def write(job: JobRow, result: str) -> None:
-        try:
-            outs[job.id] = db.write_target(
-                job.id, 0, status="done", result=result, ttl=TTL, now=T0, job_row=True
-            )
-        except dcache.StoreError as exc:
-            errors[job.id] = exc
-
-    held = db.dialect != "sqlite"
-    try:
-        leader = threading.Thread(target=write, args=(first, "fine"))
-        threads = [threading.Thread(target=write, args=(j, "fine")) for j in [*good, running]]
-        threads.append(threading.Thread(target=write, args=(bad, "refuse me")))
-        if held:
-            with job_row_locked(db, first.id):
-                queue_behind_a_lock(db, leader, threads)
-        else:
-            for t in [leader, *threads]:
-                t.start()
-        join_all([leader, *threads])
-    finally:
-        undo()
+    outs, errors = one_batch_with_a_refusal(db, first, [*good, running], bad, job_row=True)
     assert set(errors) == {bad.id}
     for job in [first, *good]:
         out = outs[job.id]
