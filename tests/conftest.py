@@ -11,6 +11,7 @@ import contextlib
 import datetime as dt
 import multiprocessing
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -33,6 +34,10 @@ MYSQL_URL = os.environ.get(
     "mysql+pymysql://root@127.0.0.1:3306/test?charset=utf8mb4&ssl_disabled=true",
 )
 REQUIRE_SERVERS = bool(os.environ.get("CI") or os.environ.get("DCACHE_REQUIRE_SERVERS"))
+
+# schemathesis 4 needs Python 3.11: the dev extras leave it out on 3.10 (pyproject.toml),
+# and its tests with it. CI runs them (3.11).
+collect_ignore = ["test_schemathesis.py"] if sys.version_info < (3, 11) else []
 
 BACKENDS = ["memory", "sqlite", "postgresql", "mariadb"]
 SERVER_URLS = {"postgresql": POSTGRES_URL, "mariadb": MYSQL_URL}
