@@ -87,11 +87,10 @@ def _shaped(together: bool, returning: bool, whole: bool = False) -> tuple[Any, 
     With ``whole`` the job's state comes back with the job's every column after them (a
     write that ends a job can answer the job as it ended, see ``GroupWriter.write``).
     """
-    target, job, read = _statements()
+    target, job = _statements()
     state = (jobs.c.status.label("w_status"), jobs.c.finished_at.label("w_finished_at"))
     rest = tuple(JOB_COLS) if whole else ()
-    if whole:
-        read = select(*state, *rest).where(jobs.c.id == bindparam("job_id"))
+    read = select(*state, *rest).where(jobs.c.id == bindparam("job_id"))
     if together:
         job = _together(target, job, whole)
     elif returning:
@@ -99,8 +98,8 @@ def _shaped(together: bool, returning: bool, whole: bool = False) -> tuple[Any, 
     return target, job, read, notify_statement()
 
 
-def _statements() -> tuple[Any, Any, Any]:
-    """The write's three statements, from the Core tables (compiled per dialect later)."""
+def _statements() -> tuple[Any, Any]:
+    """The write's two updates, from the Core tables (compiled per dialect later)."""
     now = bindparam("now", type_=UTCDateTime)
     failed = bindparam("failures", type_=jobs.c.targets_failed.type)  # 1 or 0
     target = (
@@ -165,8 +164,7 @@ def _statements() -> tuple[Any, Any, Any]:
             (jobs.c.updated_at, now),
         )
     )
-    read = select(jobs.c.status, jobs.c.finished_at).where(jobs.c.id == bindparam("job_id"))
-    return target, job, read
+    return target, job
 
 
 class _Outcome:
