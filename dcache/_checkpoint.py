@@ -16,6 +16,19 @@ releases the GIL while it copies and syncs, so on a machine with a second core t
 overlaps theirs. Durability is unchanged: a commit is as durable as ``synchronous``
 makes it whether or not its pages have been copied back yet.
 
+Copying pages back does not shorten the log: SQLite starts it over only when a write
+transaction begins with every page of it copied, which never happens while drains write
+without a pause (each checkpoint ends behind the commits made during it). The log then
+grew to the connections' bound, and the commit that crossed it copied back what was left
+(about 1,700 pages: a drain's write stalled 5-7 ms every 450 outcomes). So when a
+checkpoint of the thread leaves a log of :data:`RESTART_PAGES` or more wholly copied, it
+marks the log for a restart (:attr:`Checkpointer.restart_due`), and the group writer's
+leader, before its next batch, runs a ``PASSIVE`` checkpoint of its own
+(:meth:`Checkpointer.restart`): it copies the few pages committed since, and the batch's
+first write starts the log over. The drain that leads pays that small copy and its two
+syncs (0.5-1 ms once every 1,000-2,000 pages) instead of the large one, and the log stays
+near :data:`RESTART_PAGES` pages.
+
 A store whose pool cannot be duplicated (a ``StaticPool``: one connection shared by all)
 gets no thread: its connections checkpoint at the bound, as SQLite would at its default.
 """
@@ -31,7 +44,7 @@ from . import _sql
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
-__all__ = ["AUTOCHECKPOINT_PAGES", "EVERY_OUTCOMES", "Checkpointer"]
+__all__ = ["AUTOCHECKPOINT_PAGES", "EVERY_OUTCOMES", "RESTART_PAGES", "Checkpointer"]
 
 log = logging.getLogger("dcache")
 
@@ -43,8 +56,13 @@ log = logging.getLogger("dcache")
 # and lets the log start over.
 AUTOCHECKPOINT_PAGES = 4_000
 # Outcomes committed by the group writer between two wake-ups of the thread: each adds a
-# few pages to the log, so this checkpoints about as often as SQLite's default would.
-EVERY_OUTCOMES = 256
+# few pages to the log (about nine with 1 KiB results), so this checkpoints about as
+# often as SQLite's default would. Fewer outcomes a wake-up make each checkpoint shorter,
+# so fewer pages are committed during it for the leader's restart to copy.
+EVERY_OUTCOMES = 128
+# A checkpoint of the thread that leaves at least this many log pages wholly copied marks
+# the log for a restart by the group writer's leader (see the module docstring).
+RESTART_PAGES = 1_000
 
 
 class Checkpointer:
@@ -65,6 +83,10 @@ class Checkpointer:
         self._since = 0  # outcomes committed since the thread was last woken
         self.checkpoints = 0  # checkpoints run (tests read it)
         self.failures = 0  # checkpoints that raised (busy, I/O); tried again next time
+        # Set by the thread, cleared by the leader's restart (see the module docstring).
+        # A plain flag: one thread sets it, the group writer's leader clears it.
+        self.restart_due = False
+        self.restarts = 0  # the leader's checkpoints before a restart (tests read it)
 
     def committed(self, outcomes: int) -> None:
         """The group writer committed a batch of ``outcomes`` (see the class docstring).
@@ -73,7 +95,9 @@ class Checkpointer:
         eight times the pages of one.
         """
         self._since += outcomes  # one writer at a time calls this: the group writer's leader
-        if self._since >= EVERY_OUTCOMES:
+        # While a restart is due the thread sleeps on: its checkpoint would hold the lock
+        # that the leader's restart needs (which would find it busy and not restart).
+        if self._since >= EVERY_OUTCOMES and not self.restart_due:
             self._since = 0
             self.wake()
 
@@ -104,7 +128,9 @@ class Checkpointer:
             self._wake.clear()
             if self._closed:
                 return
-            self.checkpoint()
+            row = self.checkpoint()
+            if row is not None and row[0] == 0 and row[2] == row[1] >= RESTART_PAGES:
+                self.restart_due = True
 
     def checkpoint(self) -> tuple[int, int, int] | None:
         """One ``PASSIVE`` checkpoint now: SQLite's (busy, log pages, pages copied), or
@@ -127,3 +153,22 @@ class Checkpointer:
             return None
         self.checkpoints += 1
         return (int(row[0]), int(row[1]), int(row[2])) if row is not None else None
+
+    def restart(self, dbapi: Any) -> None:
+        """(The group writer's leader, before a batch, on its own connection while no
+        transaction is open.) Copy back what was committed since the thread's checkpoint,
+        so that the batch's first write starts the log over (see the module docstring).
+
+        Runs once for each mark, and never raises: a failure leaves the log as it was
+        (the connections' bound still holds it) and is logged at DEBUG. Busy (another
+        store's checkpoint on the file running), it is left to the thread's next
+        checkpoint to mark the restart again.
+        """
+        self.restart_due = False  # the thread may be woken again (see committed)
+        try:
+            row = dbapi.execute(_sql.SQLITE_CHECKPOINT).fetchone()
+        except Exception:
+            log.debug("WAL checkpoint before a restart of the log failed", exc_info=True)
+            return
+        if row is not None and row[0] == 0:
+            self.restarts += 1

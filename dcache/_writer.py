@@ -428,6 +428,8 @@ class GroupWriter:
             self._current = None
             try:
                 conn = self._connection()
+                if self._wal and self._db._checkpointer.restart_due:
+                    self._db._checkpointer.restart(conn.connection.driver_connection)
                 if self._watched():
                     answers = self._through_engine(conn, pending)
                 else:

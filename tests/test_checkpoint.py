@@ -18,7 +18,7 @@ import pytest
 from _fetchers import wait_for
 
 import dcache
-from dcache import DB, NewTarget
+from dcache import DB, NewTarget, _checkpoint
 from dcache._checkpoint import AUTOCHECKPOINT_PAGES, EVERY_OUTCOMES, Checkpointer
 
 TTL = dt.timedelta(hours=1)
@@ -50,6 +50,23 @@ def drain_commits(db: DB, commits: int) -> None:
             job_id = new_job(db, per_job)
             for idx in range(per_job):
                 writer.write_target(job_id, idx, status="done", result=RESULT, ttl=TTL)
+
+
+def log_sequence(db_path: Path) -> int:
+    """How many times the log has started over: the checkpoint sequence number that
+    SQLite writes into the ``-wal`` file's header (bytes 12-15, big-endian) each time its
+    first frame is written again."""
+    with open(f"{db_path}-wal", "rb") as wal:
+        header = wal.read(16)
+    return int.from_bytes(header[12:16], "big")
+
+
+def log_high_water(db_path: Path) -> int:
+    """The most pages the log has held: its file is written from the start again when
+    the log starts over and never truncated (no ``journal_size_limit``), so its size is
+    its longest length (each page a frame with a 24-byte header, after a 32-byte one)."""
+    size = Path(f"{db_path}-wal").stat().st_size
+    return (size - 32) // (4096 + 24)
 
 
 def checkpoint_threads() -> list[threading.Thread]:
@@ -221,3 +238,96 @@ def test_two_stores_on_one_file_checkpoint_side_by_side(tmp_path: Path) -> None:
     finally:
         for db in stores:
             db.close()
+
+
+# -- starting the log over ------------------------------------------------------------
+
+
+@pytest.fixture
+def small_restarts(monkeypatch: pytest.MonkeyPatch) -> int:
+    """Restarts due from a log of 200 pages: a thread's first checkpoint (after
+    EVERY_OUTCOMES outcomes, about nine pages each) marks one, far below the connections'
+    own bound, so only the leader's restart can start the log over."""
+    monkeypatch.setattr(_checkpoint, "RESTART_PAGES", 200)
+    return 200
+
+
+def test_the_log_starts_over_once_the_thread_has_copied_it_back(
+    file_db: DB, tmp_path: Path, small_restarts: int
+) -> None:
+    path = tmp_path / "store.sqlite3"
+    checkpointer = file_db._checkpointer
+    drain_commits(file_db, 32)
+    started = log_sequence(path)
+    # The thread is woken by the last of these writes: its checkpoint finds the whole
+    # log written, copies it back and marks the restart, with no batch after it yet.
+    drain_commits(file_db, EVERY_OUTCOMES - 32)
+    wait_for(lambda: checkpointer.restart_due, "the thread's checkpoint to mark a restart")
+    assert log_sequence(path) == started  # marked, not yet run: the leader runs it
+    drain_commits(file_db, 32)
+    assert checkpointer.restarts == 1
+    assert not checkpointer.restart_due
+    assert log_sequence(path) == started + 1
+    assert checkpointer.failures == 0
+
+
+def test_a_drain_that_never_pauses_keeps_the_log_short(file_db: DB, tmp_path: Path) -> None:
+    """At the real thresholds: a drain writing without a pause, several times the
+    connections' bound in all, starts the log over again and again, and the log never
+    grows to that bound (where a drain's commit would copy the rest back)."""
+    path = tmp_path / "store.sqlite3"
+    drain_commits(file_db, 32)
+    started = log_sequence(path)
+    drain_commits(file_db, 8 * EVERY_OUTCOMES)  # about 9,000 pages of log in all
+    assert file_db._checkpointer.restarts >= 2
+    assert log_sequence(path) >= started + 2
+    assert log_high_water(path) < AUTOCHECKPOINT_PAGES
+
+
+def test_a_reader_on_an_old_snapshot_keeps_it_while_restarts_are_tried(
+    file_db: DB, tmp_path: Path, small_restarts: int
+) -> None:
+    """A read transaction begun before the writes pins the pages it reads in the log:
+    no checkpoint copies past them and the log cannot start over under it, so the
+    reader sees its snapshot to the end; once it ends, the log starts over."""
+    path = tmp_path / "store.sqlite3"
+    drain_commits(file_db, 32)
+    query = "SELECT count(*) FROM batch_target WHERE status = 'done'"
+    reader = sqlite3.connect(path, isolation_level=None)
+    try:
+        reader.execute("BEGIN")
+        (before,) = reader.execute(query).fetchone()
+        assert before == 32
+        started = log_sequence(path)
+        drain_commits(file_db, 2 * EVERY_OUTCOMES)
+        assert log_sequence(path) == started  # pinned by the reader
+        assert reader.execute(query).fetchone() == (before,)
+        reader.execute("COMMIT")
+        assert reader.execute(query).fetchone() == (32 + 2 * EVERY_OUTCOMES,)
+    finally:
+        reader.close()
+    checkpointer = file_db._checkpointer
+    checkpointer.wake()  # the thread may sleep while a restart is due: one more round
+    wait_for(
+        lambda: checkpointer.restart_due or log_sequence(path) > started,
+        "the thread's checkpoint to mark a restart",
+    )
+    drain_commits(file_db, 32)
+    assert log_sequence(path) > started
+    with file_db.engine.connect() as conn:
+        assert conn.exec_driver_sql(query).scalar() == 32 + 2 * EVERY_OUTCOMES + 32
+
+
+def test_a_restart_that_fails_leaves_the_writes_alone(
+    file_db: DB, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checkpointer = file_db._checkpointer
+    drain_commits(file_db, 32)
+    checkpointer.restart_due = True
+    monkeypatch.setattr(_checkpoint._sql, "SQLITE_CHECKPOINT", "PRAGMA no_such_checkpoint(")
+    drain_commits(file_db, 32)  # each write stored; the restart given up, not retried
+    assert not checkpointer.restart_due
+    assert checkpointer.restarts == 0
+    with file_db.engine.connect() as conn:
+        query = "SELECT count(*) FROM batch_target WHERE status = 'done'"
+        assert conn.exec_driver_sql(query).scalar() == 64
