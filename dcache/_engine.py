@@ -263,8 +263,9 @@ def _install_sqlite_hooks(engine: Engine, *, synchronous: str, busy_timeout: flo
                 # process opens the same new file: retry it like any lock wait.
                 for attempt in stamina.retry_context(
                     on=is_sqlite_busy,
-                    attempts=None,
-                    timeout=busy_timeout,
+                    # No busy timeout: tried once, as SQLite's own lock waits are.
+                    attempts=None if busy_timeout > 0 else 1,
+                    timeout=busy_timeout if busy_timeout > 0 else None,
                     wait_initial=0.01,
                     wait_max=0.25,
                 ):

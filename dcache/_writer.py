@@ -33,6 +33,7 @@ import datetime as dt
 import functools
 import threading
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import (
@@ -234,6 +235,9 @@ class GroupWriter:
         self._gathering = False  # a leader waits on _arrived for the other drains' outcomes
         self._arrived = threading.Condition(self._mutex)
         self._conn: Connection | None = None
+        # Held while the connection is in use: a batch's commit, or a transaction of the
+        # store's on it (transaction()). Taken after _mutex where both are held.
+        self._conn_lock = threading.Lock()
         self._current: _Outcome | None = None  # the outcome whose statements are running
         self._sqlite = dialect.name == "sqlite"
         self._wal = False  # SQLite in WAL mode: the checkpointer is told of commits
@@ -394,7 +398,25 @@ class GroupWriter:
                     self._lead_ended.wait()
             finally:
                 self._closers -= 1
-            self._drop()
+            with self._conn_lock:  # a transaction() on it ends first
+                self._drop()
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[Connection]:
+        """A write transaction of the store on the writer's connection, between batches.
+
+        For SQLite, where one connection of all writes at a time. A write transaction
+        on another connection of this process that meets a batch's (or a batch that
+        meets it) waits in SQLite's busy handler, which sleeps 1 ms, then 2, then 5
+        between tries; here it waits on a lock that the batch releases as it ends. And
+        SQLite empties a connection's page cache whenever another connection has
+        written: the submit and the first write of its job, on one connection, each
+        find the other's pages cached.
+        """
+        with self._conn_lock:
+            conn = self._connection()
+            with conn.begin():
+                yield conn
 
     def _drop(self) -> None:
         conn, self._conn = self._conn, None
@@ -423,6 +445,11 @@ class GroupWriter:
 
     def _commit(self, batch: list[_Outcome]) -> None:
         """Commit ``batch`` in one transaction; answer every outcome in it."""
+        with self._conn_lock:
+            self._commit_held(batch)
+
+    def _commit_held(self, batch: list[_Outcome]) -> None:
+        """(Holding _conn_lock.) See _commit."""
         pending = batch
         while pending:
             self._current = None

@@ -257,6 +257,7 @@ def test_the_log_starts_over_once_the_thread_has_copied_it_back(
 ) -> None:
     path = tmp_path / "store.sqlite3"
     checkpointer = file_db._checkpointer
+    last = new_job(file_db, 32)  # submitted now: only its writes come after the mark
     drain_commits(file_db, 32)
     started = log_sequence(path)
     # The thread is woken by the last of these writes: its checkpoint finds the whole
@@ -264,7 +265,9 @@ def test_the_log_starts_over_once_the_thread_has_copied_it_back(
     drain_commits(file_db, EVERY_OUTCOMES - 32)
     wait_for(lambda: checkpointer.restart_due, "the thread's checkpoint to mark a restart")
     assert log_sequence(path) == started  # marked, not yet run: the leader runs it
-    drain_commits(file_db, 32)
+    with file_db.writer() as writer:
+        for idx in range(32):
+            writer.write_target(last, idx, status="done", result=RESULT, ttl=TTL)
     assert checkpointer.restarts == 1
     assert not checkpointer.restart_due
     assert log_sequence(path) == started + 1

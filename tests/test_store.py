@@ -321,6 +321,93 @@ def test_a_duplicate_job_id_is_a_store_error_and_leaves_nothing_behind(db: DB) -
     assert job_of(db, job.id).caller == "alice"
 
 
+# -- SQLite: the submit on the group writer's connection --------------------------------
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "memory"])
+def test_sqlite_submits_on_the_group_writers_connection(db: DB) -> None:
+    """One connection of a SQLite file writes at a time: the submit's transaction runs
+    on the group writer's connection, between its batches, not on one of the pool's."""
+    job = created(db, n=2)
+    assert db.write_target(job.id, 0, status="done", ttl=TTL, now=T0).stored
+    group_conn = db._group._conn
+    assert group_conn is not None
+    checkouts: list[object] = []
+    ran_on: list[object] = []
+
+    def on_checkout(*_: Any) -> None:
+        checkouts.append(None)
+
+    def on_statement(conn: Any, *_: Any) -> None:
+        ran_on.append(conn.connection.driver_connection)
+
+    event.listen(db.engine.pool, "checkout", on_checkout)
+    event.listen(db.engine, "before_cursor_execute", on_statement)
+    try:
+        assert submit(db, caller="bob", n=3).kind == "created"
+    finally:
+        event.remove(db.engine, "before_cursor_execute", on_statement)
+        event.remove(db.engine.pool, "checkout", on_checkout)
+    assert ran_on and all(c is group_conn.connection.driver_connection for c in ran_on)
+    assert checkouts == []
+
+
+@pytest.mark.parametrize("backend", ["sqlite"])
+def test_a_refused_sqlite_submit_leaves_the_writers_connection_writing(db: DB) -> None:
+    job = created(db, n=2)
+    with pytest.raises(dcache.StoreError):
+        submit(db, job_id=job.id, caller="bob", n=5)  # the job's id again: refused
+    assert db.write_target(job.id, 0, status="done", ttl=TTL, now=T0).stored
+    assert submit(db, caller="bob", n=1).kind == "created"
+    assert db.write_target(job.id, 1, status="done", ttl=TTL, now=T0).finished
+
+
+def test_sqlite_submits_and_drains_of_one_store_never_meet_in_sqlites_lock(
+    tmp_path: Path,
+) -> None:
+    """With no busy timeout, a write transaction that found another connection's under
+    way would fail at once ("database is locked"). Submits racing eight drains on one
+    store all go through: the store's writes take turns on its one write connection."""
+    store = DB.open(f"sqlite:///{tmp_path / 'store.sqlite3'}", busy_timeout=0)
+    errors: list[BaseException] = []
+    drained = [created(store, caller=f"d{i}", n=32) for i in range(8)]
+    submitted: list[str] = []
+
+    def drain(job: JobRow) -> None:
+        try:
+            with store.writer() as writer:
+                for idx in range(32):
+                    out = writer.write_target(
+                        job.id, idx, status="done", result="r", ttl=TTL, now=T0
+                    )
+                    assert out.stored
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    def submitter(n: int) -> None:
+        try:
+            for i in range(16):
+                out = submit(store, caller=f"s{n}-{i}", n=4, total=100)
+                assert out.kind == "created"
+                submitted.append(out.job.id if out.job else "")
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=drain, args=(j,)) for j in drained]
+        threads += [threading.Thread(target=submitter, args=(n,)) for n in range(2)]
+        for t in threads:
+            t.start()
+        join_all(threads)
+        assert errors == []
+        assert len(submitted) == 32
+        for job in drained:
+            assert job_of(store, job.id).status == "done"
+        assert store.engine.pool.checkedout() == 0
+    finally:
+        store.close()
+
+
 # -- write_target --------------------------------------------------------------------------
 
 
