@@ -11,6 +11,8 @@ meanwhile (its drain commits the next batch). A lone drain is its own leader (no
 hand-off); many drains share a commit (one WAL flush for many targets), and no drain
 holds a connection while it fetches, so connections per process do not grow with live
 jobs.
+On SQLite the store's submit takes its turn on the same connection between batches
+(:meth:`GroupWriter.transaction`): SQLite lets one connection write at a time anyway.
 
 On PostgreSQL an outcome is one statement, and a batch one round trip: the statements
 are pipelined in autocommit, one implicit transaction up to the Sync that ends them
@@ -405,13 +407,13 @@ class GroupWriter:
     def transaction(self) -> Iterator[Connection]:
         """A write transaction of the store on the writer's connection, between batches.
 
-        For SQLite, where one connection of all writes at a time. A write transaction
-        on another connection of this process that meets a batch's (or a batch that
-        meets it) waits in SQLite's busy handler, which sleeps 1 ms, then 2, then 5
-        between tries; here it waits on a lock that the batch releases as it ends. And
-        SQLite empties a connection's page cache whenever another connection has
-        written: the submit and the first write of its job, on one connection, each
-        find the other's pages cached.
+        For SQLite, where only one connection at a time may write. A write transaction on
+        another connection of this process that met a batch (or a batch that met it)
+        waited in SQLite's busy handler, which sleeps 1 ms, then 2, then 5 between
+        tries; here it waits on a lock that the batch releases as it ends. And SQLite
+        empties a connection's page cache whenever another connection has written: the
+        submit and its job's first write, on one connection, find each other's pages
+        cached. The store's submit runs here on SQLite (``DB._submitting``).
         """
         with self._conn_lock:
             conn = self._connection()
