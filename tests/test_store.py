@@ -394,11 +394,9 @@ def test_sqlite_submits_and_drains_of_one_store_never_meet_in_sqlites_lock(
             errors.append(exc)
 
     try:
-        threads = [threading.Thread(target=drain, args=(j,)) for j in drained]
-        threads += [threading.Thread(target=submitter, args=(n,)) for n in range(2)]
-        for t in threads:
-            t.start()
-        join_all(threads)
+        work = [lambda j=j: drain(j) for j in drained]
+        work += [lambda n=n: submitter(n) for n in range(2)]
+        on_threads(lambda run: run(), work)
         assert errors == []
         assert len(submitted) == 32
         for job in drained:
