@@ -197,9 +197,10 @@ class DB(
         self._wengine = self._engine.execution_options(**{_WRITE: True})
         # Two more pools of the same connections, each opening one when first used: the
         # heartbeat's (never starved by anything else) and the group writer's (held
-        # across batches; reads never wait behind drains for it, and neither do submits
-        # on the servers; on SQLite, where one connection writes at a time, a submit
-        # takes its turn on it between batches: see GroupWriter.transaction).
+        # across batches; reads never wait behind drains for it, and neither do the
+        # servers' other writes; on SQLite, where one connection writes at a time, the
+        # store's other write transactions take their turns on it between batches: see
+        # GroupWriter.transaction).
         self._aux_raw = [
             e for e in (_aux_engine(self._engine), _aux_engine(self._engine)) if e is not None
         ]
@@ -439,19 +440,14 @@ class DB(
 
     @contextlib.contextmanager
     def _write(self) -> Iterator[Connection]:
-        with self._wengine.begin() as conn:
-            yield conn
-
-    @contextlib.contextmanager
-    def _submitting(self) -> Iterator[Connection]:
-        """The submit's write transaction: on SQLite, on the group writer's connection
-        (see ``GroupWriter.transaction``); on the servers, whose locks are row locks, on
-        the pool's."""
+        """A write transaction of the store's: on SQLite, on the group writer's connection
+        between its batches (see ``GroupWriter.transaction``); on the servers, whose locks
+        are row locks, on the pool's."""
         if self.dialect == "sqlite":
             with self._group.transaction() as conn:
                 yield conn
         else:
-            with self._write() as conn:
+            with self._wengine.begin() as conn:
                 yield conn
 
     @contextlib.contextmanager

@@ -32,7 +32,7 @@ class SchemaSetup:
 
         def _read(self) -> AbstractContextManager[Connection]: ...
 
-        def _write(self) -> AbstractContextManager[Connection]: ...
+        _wengine: Engine
 
         dialect: str
 
@@ -53,7 +53,9 @@ class SchemaSetup:
                     conn.execute(select(func.release_lock("dcache_schema")))
                     conn.commit()
             return
-        with self._write() as conn:
+        # On the pool, not the group writer's connection: the store is being built, no
+        # drain writes yet, and that connection is opened only when first used.
+        with self._wengine.begin() as conn:
             if self.dialect == "postgresql":
                 conn.execute(select(func.pg_advisory_xact_lock(0x6463616368)))
             self._tables(conn)

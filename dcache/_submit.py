@@ -128,8 +128,6 @@ class SubmitQueries:
 
         def _write(self) -> AbstractContextManager[Connection]: ...
 
-        def _submitting(self) -> AbstractContextManager[Connection]: ...
-
         _engine: Engine
 
     @wrap_errors
@@ -164,7 +162,7 @@ class SubmitQueries:
         caller_lock = "caller:" + caller
         for _attempt in range(8):
             try:
-                with self._submitting() as conn:
+                with self._write() as conn:
                     return self._submit_tx(
                         conn,
                         caller_lock=caller_lock,

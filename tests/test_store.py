@@ -321,15 +321,13 @@ def test_a_duplicate_job_id_is_a_store_error_and_leaves_nothing_behind(db: DB) -
     assert job_of(db, job.id).caller == "alice"
 
 
-# -- SQLite: the submit on the group writer's connection --------------------------------
+# -- SQLite: the store's write transactions on the group writer's connection -----------
 
 
-@pytest.mark.parametrize("backend", ["sqlite", "memory"])
-def test_sqlite_submits_on_the_group_writers_connection(db: DB) -> None:
-    """One connection of a SQLite file writes at a time: the submit's transaction runs
-    on the group writer's connection, between its batches, not on one of the pool's."""
-    job = created(db, n=2)
-    assert db.write_target(job.id, 0, status="done", ttl=TTL, now=T0).stored
+@contextlib.contextmanager
+def on_the_writers_connection(db: DB) -> Iterator[None]:
+    """Asserts that the statements run inside ran on the group writer's DBAPI connection,
+    with no connection checked out of the pool."""
     group_conn = db._group._conn
     assert group_conn is not None
     checkouts: list[object] = []
@@ -344,12 +342,49 @@ def test_sqlite_submits_on_the_group_writers_connection(db: DB) -> None:
     event.listen(db.engine.pool, "checkout", on_checkout)
     event.listen(db.engine, "before_cursor_execute", on_statement)
     try:
-        assert submit(db, caller="bob", n=3).kind == "created"
+        yield
     finally:
         event.remove(db.engine, "before_cursor_execute", on_statement)
         event.remove(db.engine.pool, "checkout", on_checkout)
-    assert ran_on and all(c is group_conn.connection.driver_connection for c in ran_on)
+    assert ran_on
+    assert all(c is group_conn.connection.driver_connection for c in ran_on)
     assert checkouts == []
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "memory"])
+def test_sqlite_submits_on_the_group_writers_connection(db: DB) -> None:
+    """One connection of a SQLite file writes at a time: the submit's transaction runs
+    on the group writer's connection, between its batches, not on one of the pool's."""
+    job = created(db, n=2)
+    assert db.write_target(job.id, 0, status="done", ttl=TTL, now=T0).stored
+    with on_the_writers_connection(db):
+        assert submit(db, caller="bob", n=3).kind == "created"
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "memory"])
+def test_every_sqlite_write_transaction_runs_on_the_group_writers_connection(db: DB) -> None:
+    """Cancels, job ends, reaping, purge and the outbox's claims too: none of them waits
+    in SQLite's busy handler behind a batch, or makes a batch wait in it."""
+    later = T0 + dt.timedelta(seconds=5)
+    ids = {name: created(db, caller=name, n=2).id for name in ("a", "b", "c", "f")}
+    created(db, caller="g", n=2, owner="gone")  # an owner that never beat: an orphan
+    ended = created(db, caller="e", n=1).id
+    assert db.write_target(ended, 0, status="done", ttl=TTL, now=T0).finished
+    assert db.cancel(ids["f"], now=later)
+    steps = {
+        "cancel": lambda: db.cancel(ids["a"], now=later),
+        "cancel_job": lambda: db.cancel_job(ids["b"], now=later)[0],
+        "fail_job": lambda: db.fail_job(ids["c"], "stopped", now=later),
+        "mark_finished": lambda: db.mark_finished(ids["f"], now=later),
+        "reap_orphans": lambda: db.reap_orphans("restart", dt.timedelta(seconds=1), now=later) == 1,
+        "claim_notifications": lambda: db.claim_notifications("me", now=later) == [],
+        "redeliver": lambda: db.redeliver(ended, now=later) is False,
+        "mark_in_flight_failed": lambda: db.mark_in_flight_failed("restart", now=later) == 0,
+        "purge_expired": lambda: db.purge_expired(now=T0 + TTL + dt.timedelta(seconds=1)) == 1,
+    }
+    for name, step in steps.items():
+        with on_the_writers_connection(db):
+            assert step(), name
 
 
 @pytest.mark.parametrize("backend", ["sqlite"])
@@ -362,15 +397,17 @@ def test_a_refused_sqlite_submit_leaves_the_writers_connection_writing(db: DB) -
     assert db.write_target(job.id, 1, status="done", ttl=TTL, now=T0).finished
 
 
-def test_sqlite_submits_and_drains_of_one_store_never_meet_in_sqlites_lock(
+def test_sqlite_writes_and_drains_of_one_store_never_meet_in_sqlites_lock(
     tmp_path: Path,
 ) -> None:
     """With no busy timeout, a write transaction that found another connection's under
-    way would fail at once ("database is locked"). Submits racing eight drains on one
-    store all go through: the store's writes take turns on its one write connection."""
+    way would fail at once ("database is locked"). Submits, cancels and job ends racing
+    eight drains on one store all go through: the store's writes take turns on its one
+    write connection."""
     store = DB.open(f"sqlite:///{tmp_path / 'store.sqlite3'}", busy_timeout=0)
     errors: list[BaseException] = []
-    drained = [created(store, caller=f"d{i}", n=32) for i in range(8)]
+    drained = [created(store, caller=f"d{i}", n=32, total=100) for i in range(8)]
+    stopped = [created(store, caller=f"x{i}", n=2, total=100).id for i in range(32)]
     submitted: list[str] = []
 
     def drain(job: JobRow) -> None:
@@ -393,14 +430,28 @@ def test_sqlite_submits_and_drains_of_one_store_never_meet_in_sqlites_lock(
         except BaseException as exc:  # reported below
             errors.append(exc)
 
+    def stopper(ids: list[str]) -> None:
+        try:
+            for job_id in ids:
+                if int(job_id, 16) % 2:
+                    assert store.cancel(job_id, now=T0)
+                    assert store.mark_finished(job_id, now=T0)
+                else:
+                    assert store.fail_job(job_id, "stopped", now=T0)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
     try:
         work = [lambda j=j: drain(j) for j in drained]
         work += [lambda n=n: submitter(n) for n in range(2)]
+        work += [lambda: stopper(stopped[:16]), lambda: stopper(stopped[16:])]
         on_threads(lambda run: run(), work)
         assert errors == []
         assert len(submitted) == 32
         for job in drained:
             assert job_of(store, job.id).status == "done"
+        for job_id in stopped:
+            assert job_of(store, job_id).finished_at == T0
         assert store.engine.pool.checkedout() == 0
     finally:
         store.close()
