@@ -23,6 +23,7 @@ import attrs
 
 from bench import _floors, _http, _prefill
 from bench._env import (
+    TTL,
     Spec,
     Stopwatch,
     content,
@@ -370,6 +371,93 @@ def concurrent(spec: Spec, variant: str) -> list[Row]:
     ]
 
 
+# -- a cancel while drains write ----------------------------------------------------
+
+
+def cancel(spec: Spec, variant: str) -> list[Row]:
+    """A store's cancel of a live job (``DB.cancel``), one every 2 ms: with nothing else
+    writing (the floor), then while eight drains write without a pause.
+
+    A web app's cancel (or any other write of the store) meets the drains' batches: on
+    SQLite, where one connection writes at a time, it waits for them to end.
+    """
+    import dcache
+
+    p = spec.params
+    _fresh(spec)
+    db = dcache.DB.open(spec.url, synchronous=spec.be.synchronous)
+    payload = payload_json(p.result_bytes)
+    seq = iter(range(1_000_000))
+
+    def new_job(caller: str) -> str:
+        job_id = new_id()
+        kind = db.submit(
+            job_id=job_id,
+            caller=caller,
+            caller_class="bench",
+            idem_key=new_id() + new_id(),
+            targets=[
+                dcache.NewTarget(u, "{}")
+                for u in target_urls(f"x{next(seq)}", p.concurrent_targets)
+            ],
+            ttl=TTL,
+            jobs_per_caller=1_000_000,
+            jobs_total=1_000_000,
+        ).kind
+        if kind != "created":
+            raise RuntimeError(f"submit said {kind!r}")
+        return job_id
+
+    def cancels(victims: list[str]) -> list[float]:
+        samples = []
+        for job_id in victims:
+            t0 = time.perf_counter_ns()
+            if not db.cancel(job_id):
+                raise RuntimeError(f"job {job_id} was not cancelled")
+            samples.append((time.perf_counter_ns() - t0) / 1e3)
+            time.sleep(0.002)
+        return samples
+
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def drain(n: int) -> None:
+        try:
+            with db.writer() as writer:
+                while not stop.is_set():
+                    job_id = new_job(f"d{n}")
+                    for idx in range(p.concurrent_targets):
+                        writer.write_target(job_id, idx, status="done", result=payload, ttl=TTL)
+        except BaseException as exc:  # re-raised below
+            failures.append(exc)
+
+    drains = [threading.Thread(target=drain, args=(n,)) for n in range(p.concurrent)]
+    try:
+        warm = 3  # warm-up: connections, statement caches
+        victims = [new_job("victim") for _ in range(warm + 2 * p.samples)]
+        cancels(victims[:warm])
+        idle = cancels(victims[warm : warm + p.samples])
+        for t in drains:
+            t.start()
+        time.sleep(0.2)  # the drains are under way
+        busy = cancels(victims[warm + p.samples :])
+    finally:
+        stop.set()
+        for t in drains:
+            if t.ident is not None:  # started
+                t.join(60)
+        db.close()
+    if failures:
+        raise RuntimeError(f"a drain failed: {failures[0]!r}") from failures[0]
+    busy_name = f"{p.concurrent}-drains"
+    return [
+        _row("cancel-p50/idle", spec.backend, percentile(idle, 50), "µs"),
+        _row("cancel-p99/idle", spec.backend, percentile(idle, 99), "µs"),
+        _row(f"cancel-p50/{busy_name}", spec.backend, percentile(busy, 50), "µs"),
+        _row(f"cancel-p99/{busy_name}", spec.backend, percentile(busy, 99), "µs"),
+    ]
+
+
 # -- connections ----------------------------------------------------------------------
 
 
@@ -670,6 +758,7 @@ CASES: dict[str, Callable[[Spec, str], list[Row]]] = {
     "submit": submit,
     "status": status,
     "concurrent": concurrent,
+    "cancel": cancel,
     "connections": connections,
     "growth": growth,
     "prepare": prepare_growth,

@@ -13,6 +13,8 @@ ORDER = [
     "submit-p99",
     "status",
     "concurrent",
+    "cancel-p50",
+    "cancel-p99",
     "growth-drain",
     "growth-submit-p50",
     "growth-submit-p99",
@@ -33,6 +35,7 @@ VARIANTS = [
     "huey-redis",
     "payload",
     "single",
+    "idle",
     "http.client",
     "fetcher",
     "floor",
@@ -78,6 +81,8 @@ def floor_of(row: str, backend: str, small_label: str) -> tuple[str, str] | None
         if variant == "single" or variant == "lock-errors":
             return None
         return "concurrent/single", backend
+    if group in ("cancel-p50", "cancel-p99"):
+        return None if variant == "idle" else (f"{group}/idle", backend)
     if group.startswith("growth-"):
         return None if variant == small_label else (f"{group}/{small_label}", backend)
     if group in ("memory", "memory-rss"):
@@ -132,6 +137,10 @@ def describe(row: str) -> str:
         if variant == "single":
             return "drain throughput: 1 drain at a time (floor)"
         return f"drain throughput: {variant.replace('-', ' ')} at once (batch.Runner)"
+    if group.startswith("cancel-"):
+        if variant == "idle":
+            return f"DB.cancel, {group[7:]}: nothing else writing (floor)"
+        return f"DB.cancel, {group[7:]}: while {variant.replace('-', ' ')} write"
     if group == "growth-drain":
         return f"growth: drain per target (DB.writer), {variant} targets stored"
     if group.startswith("growth-submit"):

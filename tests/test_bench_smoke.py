@@ -160,6 +160,18 @@ def test_concurrent_drains_run_on_the_servers_too(backend: str, tmp_path: Path) 
     assert rows == {"concurrent/single", "concurrent/2-drains", "concurrent/lock-errors"}
 
 
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_a_cancel_is_timed_alone_and_beside_writing_drains(backend: str, tmp_path: Path) -> None:
+    rows = {r["row"]: r["value"] for r in _cases.run(_spec(tmp_path, "cancel/store", backend))}
+    assert set(rows) == {
+        "cancel-p50/idle",
+        "cancel-p99/idle",
+        "cancel-p50/2-drains",
+        "cancel-p99/2-drains",
+    }
+    assert all(v > 0 for v in rows.values()), rows
+
+
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql", "mariadb"])
 def test_wipe_empties_every_table_and_postgresql_gets_its_space_back(
     backend: str, tmp_path: Path
