@@ -248,7 +248,11 @@ class DB(
                 open one in-memory database shared by every connection, as :meth:`memory`.
             synchronous: SQLite only: ``NORMAL`` (the default; durable across process
                 crashes, WAL) or ``FULL`` (also durable across power loss).
-            busy_timeout: SQLite only: seconds to wait for a write lock.
+            busy_timeout: SQLite only: seconds a write waits for the database's write
+                lock while another connection holds it (another process's, or this
+                store's heartbeat's). The store's other writes in this process take
+                turns on one connection and wait for each other on a lock in the
+                process, which this does not bound (see ``GroupWriter.transaction``).
             connect_timeout: PostgreSQL and MySQL: seconds to wait for a connection.
             io_timeout: PostgreSQL and MySQL: seconds a statement (or its COMMIT) may wait
                 for an answer before it fails with :class:`StoreUnavailableError` and its
