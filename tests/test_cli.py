@@ -763,7 +763,7 @@ def test_a_quick_double_ctrl_c_cancels_the_job_and_leaves(
     assert fetched(env) == ["test://x/a"]
 
 
-@pytest.mark.parametrize("backend", ["sqlite", "postgresql", "mariadb"])
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql", "mariadb"], indirect=True)
 def test_the_database_password_is_never_printed(
     env: dict[str, str], tmp_path: Path, backend: str
 ) -> None:
@@ -1171,7 +1171,7 @@ def test_an_unreachable_database_names_the_url_and_what_to_check(
     assert f"check that the folder '{tmp_path}/no/such/folder' exists" in sqlite.stderr
 
 
-@pytest.mark.parametrize("backend", ["postgresql", "mariadb"])
+@pytest.mark.parametrize("backend", ["postgresql", "mariadb"], indirect=True)
 def test_a_missing_database_on_a_live_server_says_to_create_it(
     env: dict[str, str], backend: str
 ) -> None:
