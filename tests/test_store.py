@@ -352,19 +352,11 @@ def on_the_writers_connection(db: DB) -> Iterator[None]:
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "memory"])
-def test_sqlite_submits_on_the_group_writers_connection(db: DB) -> None:
-    """One connection of a SQLite file writes at a time: the submit's transaction runs
-    on the group writer's connection, between its batches, not on one of the pool's."""
-    job = created(db, n=2)
-    assert db.write_target(job.id, 0, status="done", ttl=TTL, now=T0).stored
-    with on_the_writers_connection(db):
-        assert submit(db, caller="bob", n=3).kind == "created"
-
-
-@pytest.mark.parametrize("backend", ["sqlite", "memory"])
 def test_every_sqlite_write_transaction_runs_on_the_group_writers_connection(db: DB) -> None:
-    """Cancels, job ends, reaping, purge and the outbox's claims too: none of them waits
-    in SQLite's busy handler behind a batch, or makes a batch wait in it."""
+    """One connection of a SQLite file writes at a time: the submit, cancels, job ends,
+    reaping, purge and the outbox's claims run on the group writer's connection, between
+    its batches, not on one of the pool's; none of them waits in SQLite's busy handler
+    behind a batch, or makes a batch wait in it."""
     later = T0 + dt.timedelta(seconds=5)
     ids = {name: created(db, caller=name, n=2).id for name in ("a", "b", "c", "f")}
     created(db, caller="g", n=2, owner="gone")  # an owner that never beat: an orphan
@@ -381,6 +373,7 @@ def test_every_sqlite_write_transaction_runs_on_the_group_writers_connection(db:
         "redeliver": lambda: db.redeliver(ended, now=later) is False,
         "mark_in_flight_failed": lambda: db.mark_in_flight_failed("restart", now=later) == 0,
         "purge_expired": lambda: db.purge_expired(now=T0 + TTL + dt.timedelta(seconds=1)) == 1,
+        "submit": lambda: submit(db, caller="bob", n=3).kind == "created",
     }
     for name, step in steps.items():
         with on_the_writers_connection(db):
@@ -411,33 +404,28 @@ def test_sqlite_writes_and_drains_of_one_store_never_meet_in_sqlites_lock(
     submitted: list[str] = []
 
     def drain(job: JobRow) -> None:
-        try:
-            with store.writer() as writer:
-                for idx in range(32):
-                    out = writer.write_target(
-                        job.id, idx, status="done", result="r", ttl=TTL, now=T0
-                    )
-                    assert out.stored
-        except BaseException as exc:  # reported below
-            errors.append(exc)
+        with store.writer() as writer:
+            for idx in range(32):
+                out = writer.write_target(job.id, idx, status="done", result="r", ttl=TTL, now=T0)
+                assert out.stored
 
     def submitter(n: int) -> None:
-        try:
-            for i in range(16):
-                out = submit(store, caller=f"s{n}-{i}", n=4, total=100)
-                assert out.kind == "created"
-                submitted.append(out.job.id if out.job else "")
-        except BaseException as exc:  # reported below
-            errors.append(exc)
+        for i in range(16):
+            out = submit(store, caller=f"s{n}-{i}", n=4, total=100)
+            assert out.kind == "created"
+            submitted.append(out.job.id if out.job else "")
 
     def stopper(ids: list[str]) -> None:
+        for job_id in ids:
+            if int(job_id, 16) % 2:
+                assert store.cancel(job_id, now=T0)
+                assert store.mark_finished(job_id, now=T0)
+            else:
+                assert store.fail_job(job_id, "stopped", now=T0)
+
+    def reported(work: Any) -> None:
         try:
-            for job_id in ids:
-                if int(job_id, 16) % 2:
-                    assert store.cancel(job_id, now=T0)
-                    assert store.mark_finished(job_id, now=T0)
-                else:
-                    assert store.fail_job(job_id, "stopped", now=T0)
+            work()
         except BaseException as exc:  # reported below
             errors.append(exc)
 
@@ -445,7 +433,7 @@ def test_sqlite_writes_and_drains_of_one_store_never_meet_in_sqlites_lock(
         work = [lambda j=j: drain(j) for j in drained]
         work += [lambda n=n: submitter(n) for n in range(2)]
         work += [lambda: stopper(stopped[:16]), lambda: stopper(stopped[16:])]
-        on_threads(lambda run: run(), work)
+        on_threads(reported, work)
         assert errors == []
         assert len(submitted) == 32
         for job in drained:
