@@ -155,13 +155,15 @@ class UTCDateTime(TypeDecorator[dt.datetime]):
             return None
         if value.tzinfo is None or value.utcoffset() is None:
             raise ValueError(f"naive datetime {value!r}: pass an aware UTC datetime")
-        return value.astimezone(dt.timezone.utc).replace(tzinfo=None)
+        at = value.astimezone(dt.timezone.utc)
+        return _combine(at, at.time())  # as .replace(tzinfo=None), in a seventh of the time
 
     def process_result_value(self, value: Any, dialect: Dialect) -> dt.datetime | None:
         if value is None:
             return None
         assert isinstance(value, dt.datetime)
-        return value.replace(tzinfo=dt.timezone.utc)
+        # As .replace(tzinfo=utc): 0.12 against 0.75 µs, for every time of every row read.
+        return _combine(value, value.time(), dt.timezone.utc)
 
     def bind_processor(self, dialect: Dialect) -> Callable[[Any], Any] | None:
         """The conversion above, then the dialect's own; on SQLite, for the store's own
@@ -187,13 +189,39 @@ class UTCDateTime(TypeDecorator[dt.datetime]):
 
         return process
 
+    def result_processor(self, dialect: Dialect, coltype: object) -> Callable[[Any], Any] | None:
+        """The dialect's conversion, then the one above; on SQLite, for the text the store
+        writes (``YYYY-MM-DD HH:MM:SS.ffffff``), both in one step.
+
+        SQLAlchemy parses SQLite's text with a regular expression, then the time is made
+        aware: 1.5 µs a value, and a status read of 32 targets reads 37 of them;
+        ``fromisoformat`` reads the same text as a UTC time in 0.2 µs. Used only where a
+        probe reads the same both ways; any other text goes through the two steps.
+        """
+        reference = super().result_processor(dialect, coltype)
+        if dialect.name != "sqlite" or reference is None:
+            return reference
+        parse = dt.datetime.fromisoformat
+        stored = _sqlite_text(_PROBE)
+        if reference(stored) != _PROBE or parse(stored + "+00:00") != _PROBE:
+            return reference
+
+        def process(value: Any) -> Any:
+            if value.__class__ is str and len(value) == _SQLITE_TEXT_LEN and value[10] == " ":
+                return parse(value + "+00:00")
+            return reference(value)
+
+        return process
+
 
 _PROBE = dt.datetime(2001, 2, 3, 4, 5, 6, 7, tzinfo=dt.timezone.utc)
+_SQLITE_TEXT_LEN = 26  # YYYY-MM-DD HH:MM:SS.ffffff
+_combine = dt.datetime.combine
 
 
 def _sqlite_text(value: dt.datetime) -> str:
     """An aware UTC datetime as SQLite's DATETIME text: ``YYYY-MM-DD HH:MM:SS.ffffff``."""
-    return value.isoformat(" ", "microseconds")[:26]  # less the "+00:00"
+    return value.isoformat(" ", "microseconds")[:_SQLITE_TEXT_LEN]  # less the "+00:00"
 
 
 class LongText(TypeDecorator[str]):

@@ -1896,6 +1896,53 @@ def test_sqlite_stores_each_time_as_sqlalchemys_own_text_for_it() -> None:
         ours(dt.datetime(2030, 1, 1))
 
 
+@pytest.mark.parametrize("dialect_name", ["sqlite", "postgresql", "mysql"])
+def test_each_stored_time_reads_back_as_sqlalchemys_own_conversion_reads_it(
+    dialect_name: str,
+) -> None:
+    """Reads convert stored times in one step (SQLite's text with ``fromisoformat``, a
+    server's naive time with ``combine``): the same aware UTC time SQLAlchemy's own
+    processor and ``replace(tzinfo=utc)`` give, over edge and random instants, for the
+    text the store writes and for any other text SQLite may hold."""
+    import random
+
+    from sqlalchemy import DateTime
+    from sqlalchemy.dialects import mysql, postgresql, sqlite
+
+    from dcache._schema import UTCDateTime
+
+    dialect = {"sqlite": sqlite, "postgresql": postgresql, "mysql": mysql}[dialect_name].dialect()
+    ours = UTCDateTime().dialect_impl(dialect).result_processor(dialect, None)
+    write = UTCDateTime().dialect_impl(dialect).bind_processor(dialect)
+    sqlalchemys = DateTime().dialect_impl(dialect).result_processor(dialect, None)
+    assert ours is not None
+
+    def reference(stored: object) -> dt.datetime:
+        naive = sqlalchemys(stored) if sqlalchemys is not None else stored
+        assert isinstance(naive, dt.datetime)
+        return naive.replace(tzinfo=UTC)
+
+    rng = random.Random(13)
+    lo, hi = dt.datetime.min.replace(tzinfo=UTC), dt.datetime.max.replace(tzinfo=UTC)
+    span = (hi - lo).total_seconds()
+    instants = [
+        lo,
+        hi,
+        dt.datetime(2030, 1, 1, tzinfo=UTC),
+        dt.datetime(999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC),
+        *(lo + dt.timedelta(seconds=rng.uniform(0, span)) for _ in range(2000)),
+    ]
+    for at in instants:
+        stored = write(at) if write is not None else at.replace(tzinfo=None)
+        back = ours(stored)
+        assert back == reference(stored) == at, at
+        assert back.tzinfo is UTC and type(back) is dt.datetime, at
+    assert ours(None) is None
+    if dialect_name == "sqlite":  # text SQLAlchemy reads that the store does not write
+        for text in ("2030-01-02 03:04:05", "2030-01-02 03:04:05.5", "2030-01-02"):
+            assert ours(text) == reference(text), text
+
+
 def test_a_naive_datetime_is_rejected(db: DB) -> None:
     """Naive times are ambiguous (local or UTC?): every time-taking method refuses them."""
     naive = dt.datetime(2030, 1, 1)
