@@ -176,12 +176,13 @@ def _statements() -> tuple[Any, Any]:
 class _Outcome:
     """One target's outcome waiting for its commit, and then its answer."""
 
-    __slots__ = ("answer", "error", "values", "wake")
+    __slots__ = ("answer", "error", "lead", "values", "wake")
 
     def __init__(self, values: dict[str, Any]) -> None:
         self.values = values
         self.answer: WriteOutcome | None = None
         self.error: BaseException | None = None
+        self.lead = False  # the lead was handed to it (set holding the mutex)
         # Held until its thread is to wake: answered, or handed the lead.
         self.wake = threading.Lock()
         self.wake.acquire()
@@ -291,7 +292,11 @@ class GroupWriter:
             if self._gathering and len(self._queued) >= self._expected():
                 self._arrived.notify()  # the batch is complete (see _gather)
         if not lead:
-            mine.wake.acquire()  # answered, or handed the lead
+            try:
+                mine.wake.acquire()  # answered, or handed the lead
+            except BaseException:  # an interrupt (KeyboardInterrupt) of a waiting drain
+                self._withdraw(mine)
+                raise
         if not mine.answered:
             # This thread leads. Its outcome is first in the queue: the queue was empty when
             # the lead was free, and a lead is handed to the first one queued.
@@ -386,11 +391,31 @@ class GroupWriter:
                 outcome.error = StoreError("the write's batch was interrupted before its commit")
             outcome.wake.release()
         with self._mutex:
-            following = self._queued[0] if self._queued else None
-            if following is None:
-                self._leading = False
-                if self._closers:
-                    self._lead_ended.notify_all()
+            following = self._pass_lead()
+        if following is not None:
+            following.wake.release()
+
+    def _pass_lead(self) -> _Outcome | None:
+        """(Holding _mutex, the lead ending.) The first outcome queued, now leading (its
+        thread is to be woken), or None: then the lead is free."""
+        following = self._queued[0] if self._queued else None
+        if following is None:
+            self._leading = False
+            if self._closers:
+                self._lead_ended.notify_all()
+        else:
+            following.lead = True
+        return following
+
+    def _withdraw(self, mine: _Outcome) -> None:
+        """A drain stopped waiting for its outcome (interrupted): take it off the queue,
+        and pass the lead on if it had been handed to it; else the lead would wait for a
+        thread that is gone, and every later write and close() with it."""
+        with self._mutex:
+            if mine.answered or mine not in self._queued:
+                return  # its batch is being (or was) committed: the leader answers it
+            self._queued.remove(mine)
+            following = self._pass_lead() if mine.lead else None
         if following is not None:
             following.wake.release()
 
@@ -422,8 +447,17 @@ class GroupWriter:
         """
         with self._conn_lock:
             conn = self._connection()
-            with conn.begin():
-                yield conn
+            try:
+                with conn.begin():
+                    yield conn
+            except BaseException:
+                # The connection is given back, so the pool's reset rolls back what is
+                # left (SQLAlchemy does not, after a failed COMMIT: SQLite would keep the
+                # transaction and its write lock), or discards it if it is unusable (a
+                # closed database, which the "begin" hook meets before SQLAlchemy could
+                # tell it is gone); the next write takes a fresh one.
+                self._drop()
+                raise
 
     def _drop(self) -> None:
         conn, self._conn = self._conn, None
