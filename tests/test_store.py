@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import hashlib
+import random
 import re
 import sqlite3
 import threading
@@ -1853,13 +1854,28 @@ def test_an_aware_non_utc_time_is_stored_as_the_same_instant(db: DB) -> None:
     assert stored.created_at.replace(tzinfo=None) == dt.datetime(2030, 1, 1, 0, 0, 0, 250000)
 
 
+EARLIEST = dt.datetime.min.replace(tzinfo=UTC)
+LATEST = dt.datetime.max.replace(tzinfo=UTC)
+
+
+def edge_and_random_instants(seed: int) -> list[dt.datetime]:
+    """The earliest and latest instants, two edges between, and 2,000 random ones."""
+    rng = random.Random(seed)
+    span = (LATEST - EARLIEST).total_seconds()
+    return [
+        EARLIEST,
+        LATEST,
+        dt.datetime(2030, 1, 1, tzinfo=UTC),
+        dt.datetime(999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC),
+        *(EARLIEST + dt.timedelta(seconds=rng.uniform(0, span)) for _ in range(2000)),
+    ]
+
+
 def test_sqlite_stores_each_time_as_sqlalchemys_own_text_for_it() -> None:
     """On SQLite the store's UTC times are written in one step (``isoformat``); the text
     must be what SQLAlchemy's DATETIME writes for the same instant, or comparisons in SQL
     (leases, purge) between old and new rows would go wrong. Checked against SQLAlchemy's
     own processor over edge and random instants, other zones and subclasses included."""
-    import random
-
     from sqlalchemy import DateTime
     from sqlalchemy.dialects import sqlite
 
@@ -1873,16 +1889,8 @@ def test_sqlite_stores_each_time_as_sqlalchemys_own_text_for_it() -> None:
     class Sub(dt.datetime):
         pass
 
-    rng = random.Random(12)
-    lo, hi = dt.datetime.min.replace(tzinfo=UTC), dt.datetime.max.replace(tzinfo=UTC)
-    span = (hi - lo).total_seconds()
-    instants = [
-        lo,
-        hi,
-        dt.datetime(2030, 1, 1, tzinfo=UTC),
-        dt.datetime(999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC),
-        *(lo + dt.timedelta(seconds=rng.uniform(0, span)) for _ in range(2000)),
-    ]
+    lo, hi = EARLIEST, LATEST
+    instants = edge_and_random_instants(12)
     zone = dt.timezone(dt.timedelta(hours=-7, minutes=-30))
     day = dt.timedelta(days=1)
     for at in instants:
@@ -1904,8 +1912,6 @@ def test_each_stored_time_reads_back_as_sqlalchemys_own_conversion_reads_it(
     server's naive time with ``combine``): the same aware UTC time SQLAlchemy's own
     processor and ``replace(tzinfo=utc)`` give, over edge and random instants, for the
     text the store writes and for any other text SQLite may hold."""
-    import random
-
     from sqlalchemy import DateTime
     from sqlalchemy.dialects import mysql, postgresql, sqlite
 
@@ -1922,16 +1928,7 @@ def test_each_stored_time_reads_back_as_sqlalchemys_own_conversion_reads_it(
         assert isinstance(naive, dt.datetime)
         return naive.replace(tzinfo=UTC)
 
-    rng = random.Random(13)
-    lo, hi = dt.datetime.min.replace(tzinfo=UTC), dt.datetime.max.replace(tzinfo=UTC)
-    span = (hi - lo).total_seconds()
-    instants = [
-        lo,
-        hi,
-        dt.datetime(2030, 1, 1, tzinfo=UTC),
-        dt.datetime(999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC),
-        *(lo + dt.timedelta(seconds=rng.uniform(0, span)) for _ in range(2000)),
-    ]
+    instants = edge_and_random_instants(13)
     for at in instants:
         stored = write(at) if write is not None else at.replace(tzinfo=None)
         back = ours(stored)
