@@ -391,6 +391,46 @@ def test_a_refused_sqlite_submit_leaves_the_writers_connection_writing(db: DB) -
     assert db.write_target(job.id, 1, status="done", ttl=TTL, now=T0).finished
 
 
+def test_a_write_whose_commit_fails_leaves_no_transaction_or_lock_behind() -> None:
+    """A COMMIT that fails on the group writer's long-lived connection: SQLAlchemy marks its
+    transaction ended without rolling SQLite's back, which kept the write lock (the
+    heartbeat, on its own connection, then failed "database is locked") and failed the
+    store's next write ("cannot start a transaction within a transaction"). In memory
+    (no WAL) a COMMIT waits for readers: a reader left open makes it fail."""
+    db = DB.open("sqlite://", busy_timeout=0.2)
+    try:
+        a, b = created(db).id, created(db).id
+        reader = db.engine.connect()
+        reader.execute(select(jobs)).fetchone()  # holds SQLite's shared lock
+        with pytest.raises(dcache.StoreError, match="locked"):
+            db.cancel(a, now=T0)
+        reader.close()
+        db.heartbeat("owner-1")  # the write lock is free again
+        assert db.cancel(b, now=T0) is True
+        assert db.cancel(a, now=T0) is True  # the failed cancel was rolled back, not kept
+    finally:
+        db.close()
+
+
+def test_a_writer_connection_that_died_is_replaced_by_the_next_write(tmp_path: Path) -> None:
+    """SQLite's one "disconnect" is a closed connection. Met in the "begin" hook, before
+    SQLAlchemy could call it one, it was never replaced: every write but a drain's batch
+    failed until a batch came. Now the write that meets it fails and the next one works."""
+    db = DB.open(f"sqlite:///{tmp_path / 'dead.sqlite3'}")
+    try:
+        a, b = created(db).id, created(db).id
+        conn = db._group._conn
+        assert conn is not None
+        conn.connection.driver_connection.close()
+        with pytest.raises(dcache.StoreError):
+            db.cancel(a, now=T0)
+        assert db.cancel(a, now=T0) is True
+        assert created(db).id
+        assert db.write_target(b, 0, status="done", ttl=TTL, now=T0).stored
+    finally:
+        db.close()
+
+
 def test_sqlite_writes_and_drains_of_one_store_never_meet_in_sqlites_lock(
     tmp_path: Path,
 ) -> None:

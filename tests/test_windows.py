@@ -24,12 +24,10 @@ from typing import Any
 import pytest
 from _fetchers import WAIT, FakeFetch, wait_for
 from conftest import SERVER_URLS, backend_url, wipe
-from sqlalchemy import select as sa_select
 
 import batch
 import dcache
 from dcache import StoreUnavailableError
-from dcache._schema import jobs as jobs_table
 
 FAST = batch.Config(heartbeat=dt.timedelta(seconds=0.05), jobs_per_caller=8, jobs_total=64)
 
@@ -499,65 +497,7 @@ def test_wait_takes_infinity_and_refuses_nan(flaky: FlakyDB, fetch: FakeFetch) -
     assert json.dumps(batch.Config().fetch_timeout) == "null"
 
 
-# -- the group writer's connection and lead (SQLite's writes share one connection) ------
-
-TTL = dt.timedelta(hours=1)
-
-
-def _submit_one(db: dcache.DB, key: str, n: int = 2) -> str:
-    outcome = db.submit(
-        job_id=f"job-{key}",
-        caller="c",
-        caller_class="x",
-        idem_key=key,
-        targets=[dcache.NewTarget(url=f"https://example.com/{i}") for i in range(n)],
-        ttl=TTL,
-        jobs_per_caller=9,
-        jobs_total=9,
-    )
-    assert outcome.job is not None
-    return outcome.job.id
-
-
-def test_a_write_whose_commit_fails_leaves_no_transaction_or_lock_behind() -> None:
-    """A COMMIT that fails on the group writer's long-lived connection: SQLAlchemy marks its
-    transaction ended without rolling SQLite's back, which kept the write lock (the
-    heartbeat, on its own connection, then failed "database is locked") and failed the
-    store's next write ("cannot start a transaction within a transaction"). In memory
-    (no WAL) a COMMIT waits for readers: a reader left open makes it fail."""
-    db = dcache.DB.open("sqlite://", busy_timeout=0.2)
-    try:
-        a, b = _submit_one(db, "a"), _submit_one(db, "b")
-        reader = db.engine.connect()
-        reader.execute(sa_select(jobs_table)).fetchone()  # holds SQLite's shared lock
-        with pytest.raises(dcache.StoreError, match="locked"):
-            db.cancel(a)
-        reader.close()
-        db.heartbeat("owner-1")  # the write lock is free again
-        assert db.cancel(b) is True
-        assert db.cancel(a) is True  # the failed cancel was rolled back, not kept
-    finally:
-        db.close()
-
-
-def test_a_writer_connection_that_died_is_replaced_by_the_next_write(tmp_path: Path) -> None:
-    """SQLite's one "disconnect" is a closed connection. Met in the "begin" hook, before
-    SQLAlchemy could call it one, it was never replaced: every write but a drain's batch
-    failed until a batch came. Now the write that meets it fails and the next one works."""
-    db = dcache.DB.open(f"sqlite:///{tmp_path / 'dead.sqlite3'}")
-    try:
-        a, b = _submit_one(db, "a"), _submit_one(db, "b")
-        conn = db._group._conn
-        assert conn is not None
-        conn.connection.driver_connection.close()
-        with pytest.raises(dcache.StoreError):
-            db.cancel(a)
-        assert db.cancel(a) is True
-        assert _submit_one(db, "c")
-        assert db.write_target(b, 0, status="done", ttl=TTL).stored
-    finally:
-        db.close()
-
+# -- the group writer's lead ----------------------------------------------------------
 
 _INTERRUPTED_FOLLOWER = """
 import datetime as dt, signal, sys, threading, time
