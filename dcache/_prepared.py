@@ -12,7 +12,9 @@ with the result processors of the column types the caller names.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import itertools
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import Connection
@@ -21,11 +23,12 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import ClauseElement
 from sqlalchemy.types import TypeEngine
 
-__all__ = ["Prepared"]
+__all__ = ["Binder", "Prepared"]
 
 _Processor = Callable[[Any], Any] | None
 _CACHE: dict[tuple[Any, ...], Prepared] = {}
 _CACHE_MAX = 1024
+_TOKENS = itertools.count()  # each Prepared's own prefix for its fixed values (see Binder)
 
 
 def _dialect_key(dialect: Dialect) -> tuple[Any, ...]:
@@ -96,14 +99,26 @@ class Prepared:
             self._order = sorted(by_name)
         self._fixed: dict[str, Any] = {}
         self._given: dict[str, _Processor] = {}
+        self._types: dict[str, str] = {}  # each given value's SQL type (see Binder)
         for name in dict.fromkeys(self._order):
             bind = by_name[name]
             process = bind.type.dialect_impl(dialect).bind_processor(dialect)
             if bind.required:
                 self._given[name] = process
+                self._types[name] = repr(bind.type)
             else:
                 value = bind.effective_value
                 self._fixed[name] = process(value) if process is not None else value
+        # Bound values (Binder.bind) hold each fixed value under a key made of the value
+        # itself (anonymous names such as "param_1" mean another value in each statement;
+        # the value's type is in the key, as 1 == True).
+        token = next(_TOKENS)
+        fixed_keys = {name: _fixed_key(token, name, value) for name, value in self._fixed.items()}
+        self._fixed_keyed = {fixed_keys[name]: value for name, value in self._fixed.items()}
+        keys = [name if name in self._given else fixed_keys[name] for name in self._order]
+        self._pick: Callable[[Mapping[Any, Any]], Any] = (
+            operator.itemgetter(*keys) if len(keys) > 1 else _one(keys[0] if keys else None)
+        )
         # Positional: a template of the fixed values, and the slots each given value fills.
         self._template = [self._fixed.get(name) for name in self._order]
         self._slots = [(i, name) for i, name in enumerate(self._order) if name in self._given]
@@ -128,6 +143,16 @@ class Prepared:
             given.update(self._fixed)
         return given
 
+    def bound(self, values: Mapping[Any, Any]) -> tuple[Any, ...] | dict[str, Any]:
+        """The driver's parameters from values a :class:`Binder` of this statement bound
+        (converted already): for a positional driver one C-level pick, in SQL order."""
+        if self._positional:
+            return self._pick(values)  # type: ignore[no-any-return]
+        out = {name: values[name] for name in self._given}
+        if self._fixed:
+            out.update(self._fixed)
+        return out
+
     def execute(self, conn: Connection, **values: Any) -> CursorResult[Any]:
         """Run the statement on ``conn`` with ``values``."""
         return conn.exec_driver_sql(self.sql, self.params(values))
@@ -142,3 +167,52 @@ class Prepared:
             if i >= start:
                 out[i] = process(out[i])
         return tuple(out)
+
+
+def _fixed_key(token: int, name: str, value: Any) -> tuple[Any, ...]:
+    """The key of a fixed value among bound values: the value and its type (shared by
+    every statement that fixes the same value), or the statement's own if unhashable."""
+    try:
+        hash(value)
+    except TypeError:
+        return (token, name)
+    return (type(value), value)
+
+
+def _one(key: Any) -> Callable[[Mapping[Any, Any]], tuple[Any, ...]]:
+    """A pick of one key as a 1-tuple (``itemgetter`` of one key returns the item)."""
+    if key is None:
+        return lambda _values: ()
+    return lambda values: (values[key],)
+
+
+class Binder:
+    """Values converted once for several :class:`Prepared` statements of one dialect.
+
+    A transaction that runs several statements on the same values (the per-target write:
+    the target's update, then the job's, with the same ``now`` and ``job_id``) converts
+    each value by its type's bind processor once, in :meth:`bind`, instead of once per
+    statement; each statement then takes its parameters from the bound values with
+    :meth:`Prepared.bound` (for a positional driver, one ``itemgetter``). A name must have
+    the same SQL type in every statement that takes it.
+    """
+
+    def __init__(self, statements: Iterable[Prepared]) -> None:
+        self._fixed: dict[Any, Any] = {}
+        processes: dict[str, _Processor] = {}
+        types: dict[str, str] = {}
+        for statement in statements:
+            self._fixed.update(statement._fixed_keyed)
+            for name, process in statement._given.items():
+                kind = statement._types[name]
+                if types.setdefault(name, kind) != kind:
+                    raise ValueError(f"{name!r} is {types[name]} and {kind} in one Binder")
+                processes[name] = process
+        self._processes = [(name, p) for name, p in processes.items() if p is not None]
+
+    def bind(self, values: Mapping[str, Any]) -> dict[Any, Any]:
+        """``values`` converted (each name once) with every statement's fixed values."""
+        bound = {**values, **self._fixed}
+        for name, process in self._processes:
+            bound[name] = process(bound[name])
+        return bound

@@ -170,8 +170,8 @@ class UTCDateTime(TypeDecorator[dt.datetime]):
         values (aware, in ``datetime.timezone.utc``), both in one step.
 
         SQLite stores text, and the two steps (a naive copy, then SQLAlchemy's format
-        with seven fields) cost 2.4 µs a value, on a write that binds two; ``isoformat``
-        writes the same text in 1.1 µs. It is used only where a probe value gives the
+        with seven fields) cost 2.4 µs a value, on a write that binds two; one format
+        writes the same text in 0.75 µs. It is used only where a probe value gives the
         same text both ways (SQLAlchemy's default storage format); any other value, and
         any other dialect, goes through the two steps.
         """
@@ -220,8 +220,20 @@ _combine = dt.datetime.combine
 
 
 def _sqlite_text(value: dt.datetime) -> str:
-    """An aware UTC datetime as SQLite's DATETIME text: ``YYYY-MM-DD HH:MM:SS.ffffff``."""
-    return value.isoformat(" ", "microseconds")[:_SQLITE_TEXT_LEN]  # less the "+00:00"
+    """An aware UTC datetime as SQLite's DATETIME text: ``YYYY-MM-DD HH:MM:SS.ffffff``.
+
+    ``isoformat(" ", "microseconds")`` less its ``+00:00``, in three quarters of its time
+    (0.75 against 1.0 µs; a per-target write binds two).
+    """
+    return "%04d-%02d-%02d %02d:%02d:%02d.%06d" % (  # noqa: UP031 (an f-string: 1.3 µs)
+        value.year,
+        value.month,
+        value.day,
+        value.hour,
+        value.minute,
+        value.second,
+        value.microsecond,
+    )
 
 
 class LongText(TypeDecorator[str]):

@@ -1912,7 +1912,7 @@ def edge_and_random_instants(seed: int) -> list[dt.datetime]:
 
 
 def test_sqlite_stores_each_time_as_sqlalchemys_own_text_for_it() -> None:
-    """On SQLite the store's UTC times are written in one step (``isoformat``); the text
+    """On SQLite the store's UTC times are written in one step (one ``%`` format); the text
     must be what SQLAlchemy's DATETIME writes for the same instant, or comparisons in SQL
     (leases, purge) between old and new rows would go wrong. Checked against SQLAlchemy's
     own processor over edge and random instants, other zones and subclasses included."""
@@ -2320,6 +2320,58 @@ def test_stores_of_one_kind_share_their_compiled_statements(
     assert Prepared(Q_STATUS, first) is Prepared(Q_STATUS, alike)
     assert Prepared(Q_STATUS, first) is not Prepared(Q_STATUS, older)
     assert Prepared(Q_STATUS, first).sql == Prepared(Q_STATUS, older).sql
+
+
+@pytest.mark.parametrize("dialect_name", ["sqlite", "postgresql", "mysql"])
+def test_values_bound_once_give_each_statement_its_own_parameters(dialect_name: str) -> None:
+    """The per-target write converts an outcome's values once for its statements
+    (``Binder``): each statement's parameters from the bound values are exactly those it
+    converts for itself, fixed values included (the same anonymous name means another
+    value in each statement; 1 and True, 0 and False stay apart)."""
+    from sqlalchemy import Integer, bindparam, literal, select
+    from sqlalchemy.dialects import mysql, postgresql, sqlite
+
+    from dcache._prepared import Binder, Prepared
+    from dcache._writer import _shaped
+
+    dialect = {"sqlite": sqlite, "postgresql": postgresql, "mysql": mysql}[dialect_name].dialect()
+    statements = [
+        Prepared(s, dialect)
+        for s in (*_shaped(False, True), *_shaped(False, True, whole=True), *_shaped(True, True))
+    ]
+    # Values no processor converts: 1 and True (0 and False) would share one key.
+    flags = select(
+        literal(1, Integer()), literal(True, Integer()), literal(0, Integer()), literal(False)
+    ).where(jobs.c.id == bindparam("job_id"))
+    statements.append(Prepared(flags, dialect))
+    binder = Binder(statements)
+    rng = random.Random(7)
+
+    def typed(params: Any) -> list[tuple[Any, ...]]:  # 1 == True: compare the types too
+        items = sorted(params.items()) if isinstance(params, dict) else enumerate(params)
+        return [(k, type(v), v) for k, v in items]
+
+    for at in edge_and_random_instants(3)[:200]:
+        values = {
+            "whole": rng.random() < 0.5,
+            "job_id": f"job-{rng.random()}",
+            "idx": rng.randrange(32),
+            "status": rng.choice(["done", "failed"]),
+            "result": rng.choice([None, "", "x" * rng.randrange(100)]),
+            "result_bytes": rng.randrange(10**6),
+            "error": rng.choice(["", "boom"]),
+            "hint": "",
+            "now": at,
+            "expires_at": at,
+            "msg_id": "msg_1",
+            "failures": rng.randrange(2),
+        }
+        bound = binder.bind(values)
+        for statement in statements:
+            assert typed(statement.bound(bound)) == typed(statement.params(values)), statement.sql
+    odd = select(literal(1)).where(jobs.c.id == bindparam("now"))  # "now" as a string
+    with pytest.raises(ValueError, match="'now'"):
+        Binder([statements[0], Prepared(odd, dialect)])
 
 
 def test_mariadb_works_in_pymysqls_default_tls_mode(tmp_path: Path) -> None:
