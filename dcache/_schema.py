@@ -183,8 +183,10 @@ class UTCDateTime(TypeDecorator[dt.datetime]):
         utc = dt.timezone.utc
 
         def process(value: Any) -> Any:
-            if value is not None and value.__class__ is dt.datetime and value.tzinfo is utc:
+            if value.__class__ is dt.datetime and value.tzinfo is utc:
                 return _sqlite_text(value)
+            if value is None:
+                return None  # a pending target's time: without the two steps' three calls
             return reference(value)
 
         return process

@@ -98,9 +98,10 @@ class _Run:
 
         return self._on_cursor(statement, work)
 
-    def many(self, statement: Prepared, rows: list[dict[str, Any]]) -> None:
-        """The statement once per row (the driver's executemany)."""
-        params = [statement.params(v) for v in rows]
+    def many(self, statement: Prepared, common: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+        """The statement once per row (the driver's executemany), with the values in
+        ``common`` shared by every row (see ``Prepared.params_many``)."""
+        params = statement.params_many(common, rows)
         if not self.raw:
             self.conn.exec_driver_sql(statement.sql, params)
             return
@@ -242,21 +243,16 @@ class SubmitQueries:
         run.rows(q.job_insert, job)
         run.many(
             q.target_insert,
-            [
-                {
-                    "job_id": job_id,
-                    "idx": i,
-                    "url": t.url,
-                    "options": t.options,
-                    "status": Status.PENDING.value,
-                    "error": "",
-                    "hint": "",
-                    "updated_at": None,
-                    "result_bytes": None,
-                    "result": None,
-                }
-                for i, t in enumerate(new_targets)
-            ],
+            {
+                "job_id": job_id,
+                "status": Status.PENDING.value,
+                "error": "",
+                "hint": "",
+                "updated_at": None,
+                "result_bytes": None,
+                "result": None,
+            },
+            [{"idx": i, "url": t.url, "options": t.options} for i, t in enumerate(new_targets)],
         )
         job["ttl"] = ttl
         del job["ttl_us"]

@@ -2374,6 +2374,41 @@ def test_values_bound_once_give_each_statement_its_own_parameters(dialect_name: 
         Binder([statements[0], Prepared(odd, dialect)])
 
 
+@pytest.mark.parametrize("dialect_name", ["sqlite", "postgresql", "mysql"])
+def test_rows_with_shared_values_get_each_its_own_parameters(dialect_name: str) -> None:
+    """An ``executemany`` whose rows share values (the submit's targets: the job, status,
+    times) converts the shared ones once: every row's parameters are those of the row
+    with the shared values, as ``Prepared.params`` gives them."""
+    from sqlalchemy.dialects import mysql, postgresql, sqlite
+
+    from dcache._prepared import Prepared
+    from dcache._submit import _JOB_INSERT, _TARGET_INSERT
+
+    dialect = {"sqlite": sqlite, "postgresql": postgresql, "mysql": mysql}[dialect_name].dialect()
+    rng = random.Random(5)
+    instants = edge_and_random_instants(9)[:50]
+    insert_targets = Prepared(_TARGET_INSERT, dialect)
+    common = {"job_id": "j", "status": "pending", "error": "", "hint": "", "result": None}
+    for at in instants:
+        rows = [
+            {
+                "idx": i,
+                "url": f"https://example.com/{rng.random()}",
+                "options": "{}",
+                "updated_at": rng.choice([None, at]),
+                "result_bytes": rng.choice([None, i]),
+            }
+            for i in range(rng.randrange(1, 5))
+        ]
+        shared = {**common, "updated_at": at} if rng.random() < 0.5 else common
+        rows = [{k: v for k, v in row.items() if k not in shared} for row in rows]
+        expected = [insert_targets.params({**shared, **row}) for row in rows]
+        assert insert_targets.params_many(shared, rows) == expected
+    insert_job = Prepared(_JOB_INSERT, dialect)  # every value shared: one row, no names
+    job = {c.name: None for c in jobs.c} | {"created_at": instants[0], "ttl_us": 5}
+    assert insert_job.params_many(job, [{}]) == [insert_job.params(job)]
+
+
 def test_mariadb_works_in_pymysqls_default_tls_mode(tmp_path: Path) -> None:
     """The tests' MariaDB URL says ssl_disabled; the store works without it too (PyMySQL
     then offers TLS and, the server having none, goes on in plain text)."""
