@@ -243,6 +243,7 @@ class GroupWriter:
         self._gathering = False  # a leader waits on _arrived for the other drains' outcomes
         self._arrived = threading.Condition(self._mutex)
         self._conn: Connection | None = None
+        self._cursor: Any = None  # a DBAPI cursor of _conn's, kept across batches
         # Held while the connection is in use: a batch's commit, or a transaction of the
         # store's on it (transaction()). Taken after _mutex where both are held.
         self._conn_lock = threading.Lock()
@@ -462,6 +463,7 @@ class GroupWriter:
                 raise
 
     def _drop(self) -> None:
+        self._forget_cursor()
         conn, self._conn = self._conn, None
         if conn is not None:
             with contextlib.suppress(sa_exc.SQLAlchemyError):
@@ -641,7 +643,10 @@ class GroupWriter:
         statements, which take their parameters from them.
         """
         dbapi: Any = conn.connection.driver_connection
-        cursor = dbapi.cursor()
+        cursor = self._cursor
+        if cursor is None or cursor.connection is not dbapi:
+            self._forget_cursor()
+            cursor = self._cursor = dbapi.cursor()
         sql = ""
 
         def run(statement: Prepared, bound: dict[Any, Any]) -> tuple[int, Any]:
@@ -672,8 +677,14 @@ class GroupWriter:
                     cursor.execute(_sql.SQLITE_ROLLBACK)
                 else:
                     dbapi.rollback()
-            raise _as_sqlalchemy(conn, exc, sql, cursor) from exc
-        finally:
+            err = _as_sqlalchemy(conn, exc, sql, cursor)
+            self._forget_cursor()  # a cursor that failed is not used again
+            raise err from exc
+
+    def _forget_cursor(self) -> None:
+        """Close the kept cursor (the next batch opens one on its connection)."""
+        cursor, self._cursor = self._cursor, None
+        if cursor is not None:
             with contextlib.suppress(Exception):
                 cursor.close()
 
