@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
+import os
 import secrets
 import sqlite3
 import weakref
@@ -35,6 +36,22 @@ from ._upkeep import MAX_TOMBSTONE_TTL, TOMBSTONE_TTL, Upkeep
 from ._writer import GroupWriter
 
 __all__ = ["DB", "Writer", "utcnow"]
+
+# Every store not yet closed, so that a forked child can set each one up for itself.
+_OPEN: weakref.WeakSet[DB] = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    """(In a child process, right after ``fork``.) See :meth:`DB._forked`."""
+    for store in list(_OPEN):
+        try:
+            store._forked()
+        except Exception:  # one store's failure must not leave the others as they were
+            log.exception("setting up %r after a fork failed", store)
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_after_fork)
 
 log = logging.getLogger("dcache")
 
@@ -216,12 +233,14 @@ class DB(
         self._status_read = Prepared(Q_STATUS, engine.dialect, types)
         self._status_brief = Prepared(Q_STATUS_BRIEF, engine.dialect, [*types, Integer()])
         self._closed = False
+        _OPEN.add(self)  # (see _after_fork)
         self._result_room = 0
         self._escapes = False
         try:
             self._create_schema()
             self._read_limits()
         except BaseException:
+            _OPEN.discard(self)
             self._dispose()
             raise
 
@@ -417,7 +436,34 @@ class DB(
         """Dispose of the engine if this store owns it. Idempotent."""
         if not self._closed:
             self._closed = True
+            _OPEN.discard(self)
             self._dispose()
+
+    def _forked(self) -> None:
+        """In a child process just forked from this one (``os.fork``; gunicorn's
+        ``--preload`` forks its workers from a process that opened the store).
+
+        Every connection open at the fork belongs to the parent: a statement of the
+        child on one would interleave with the parent's on the same session (the same
+        socket), and a lock held by another of the parent's threads (a batch being
+        committed) would never be released here. So the pools are replaced without
+        closing what they held (``Engine.dispose(close=False)``, as SQLAlchemy advises
+        for a fork: closing would end the parent's sessions), the group writer starts
+        over, and the child opens connections of its own as it needs them. The engine's
+        pool is replaced even where the engine is the caller's, for the same reason.
+
+        SQLite is left as it is: its connections keep their locks in the process's memory,
+        which the child inherits, so no connection opened before the fork can be set
+        aside safely in the child (SQLite's own rule: open the database after forking;
+        see docs/deployment.md).
+        """
+        if self.dialect == "sqlite":
+            return
+        self._group.forked()
+        for aux in (*self._aux_raw, self._checkpoint_raw):
+            if aux is not None:
+                aux.dispose(close=False)
+        self._engine.dispose(close=False)
 
     def _dispose(self) -> None:
         self._group.close()

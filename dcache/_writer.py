@@ -77,6 +77,8 @@ if TYPE_CHECKING:
 __all__ = ["MAX_BATCH", "GroupWriter"]
 
 MAX_BATCH = 256  # outcomes committed in one transaction at most
+# In a forked child: the parent's connections the writers held, never used nor collected.
+_INHERITED: list[Any] = []
 # A leader waits for the outcomes of the other open drains (see GroupWriter._gather): at
 # most GATHER_SLICE seconds for the next one to arrive, GATHER_MAX seconds in all.
 GATHER_SLICE = 0.001
@@ -227,6 +229,14 @@ class GroupWriter:
         self._read_whole = Prepared(read_w, dialect, types_w)
         # An outcome's values converted once for all of its statements (_one_by_one).
         self._binder = Binder([self._job, self._job_whole, self._read_whole, *(self._steps or ())])
+        self._sqlite = dialect.name == "sqlite"
+        self._fresh()
+        self._wal = False  # SQLite in WAL mode: the checkpointer is told of commits
+        self.commits = 0  # transactions committed (tests and benchmarks read it)
+
+    def _fresh(self) -> None:
+        """The writer's state with no connection, no batch, no drain: at start, and in a
+        forked child (see :meth:`forked`)."""
         # _mutex guards _queued, _leading and _closers. The leader commits without holding
         # it, so drains queue behind a running commit. Each waiting drain sleeps on its own
         # outcome's lock: the leader wakes exactly the ones it answered, and hands the lead
@@ -248,9 +258,19 @@ class GroupWriter:
         # store's on it (transaction()). Taken after _mutex where both are held.
         self._conn_lock = threading.Lock()
         self._current: _Outcome | None = None  # the outcome whose statements are running
-        self._sqlite = dialect.name == "sqlite"
-        self._wal = False  # SQLite in WAL mode: the checkpointer is told of commits
-        self.commits = 0  # transactions committed (tests and benchmarks read it)
+
+    def forked(self) -> None:
+        """In a child process just forked from this one (see ``DB._forked``).
+
+        The parent's other threads do not exist here, so a lock one of them held (a
+        batch being committed at the fork) would never be released, and the writer's
+        connection is the parent's session: a write of the child on it would interleave
+        with the parent's. The state starts over, and the parent's connection and cursor
+        are kept referenced but never used: garbage-collected, the connection would be
+        reset (rolled back) on the parent's session.
+        """
+        _INHERITED.append((self._conn, self._cursor))
+        self._fresh()
 
     def write(
         self,
@@ -328,7 +348,7 @@ class GroupWriter:
     def closed(self) -> None:
         """A drain's writer closed: a leader waiting for its outcome stops waiting."""
         with self._mutex:
-            self._open -= 1
+            self._open = max(0, self._open - 1)  # one opened before a fork: see forked()
             if self._gathering:
                 self._arrived.notify()
 
@@ -343,11 +363,12 @@ class GroupWriter:
         self._dropped.append(None)  # deque.append: atomic
 
     def _settle_dropped(self) -> None:
-        """(Holding _mutex.) Count the writers collected without being closed."""
+        """(Holding _mutex.) Count the writers collected without being closed (in a
+        forked child, a parent's writer may be: the count does not go below zero)."""
         dropped = self._dropped
         while dropped:
             dropped.popleft()
-            self._open -= 1
+            self._open = max(0, self._open - 1)
 
     def _expected(self) -> int:
         """(Holding _mutex.) The outcomes a complete batch holds: one from every open

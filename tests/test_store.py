@@ -9,9 +9,12 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import hashlib
+import os
 import random
 import re
 import sqlite3
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -429,6 +432,32 @@ def test_a_writer_connection_that_died_is_replaced_by_the_next_write(tmp_path: P
         assert db.write_target(b, 0, status="done", ttl=TTL, now=T0).stored
     finally:
         db.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX's")
+@pytest.mark.parametrize("backend", ["postgresql", "mariadb"])
+def test_a_forked_child_writes_on_its_own_connections_and_the_parents_live_on(
+    db: DB, backend: str, tmp_path: Path
+) -> None:
+    """gunicorn --preload forks workers from a process that may have opened the store.
+    Forked while another thread held the group writer's connection in a transaction,
+    the child used to wait for that lock forever, and wrote on the parent's session
+    otherwise. Now the child stores a job on connections of its own and exits the normal
+    way, and the parent's writer connection is still the same open session after it
+    (see tests/_fork_child.py). SQLite is not forked with a store open (DB._forked)."""
+    db.close()  # the child process opens its own store on the emptied database
+    child = subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).parent / "_fork_child.py"),
+            backend_url(backend, tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == 0, child.stdout + child.stderr
+    assert child.stdout.split("\n")[:2] == ["child ok", "parent ok"], child.stdout
 
 
 def test_sqlite_writes_and_drains_of_one_store_never_meet_in_sqlites_lock(
