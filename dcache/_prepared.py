@@ -28,7 +28,7 @@ __all__ = ["Binder", "Prepared"]
 _Processor = Callable[[Any], Any] | None
 _CACHE: dict[tuple[Any, ...], Prepared] = {}
 _CACHE_MAX = 1024
-_TOKENS = itertools.count()  # each Prepared's own prefix for its fixed values (see Binder)
+_TOKENS = itertools.count()  # each Prepared's own key for an unhashable fixed value
 
 
 def _dialect_key(dialect: Dialect) -> tuple[Any, ...]:
@@ -158,8 +158,8 @@ class Prepared:
             for name, process in self._processes
             if name in common
         }
-        varying = [(name, process) for name, process in self._processes if name not in common]
         if not self._positional:
+            varying = [(n, process) for n, process in self._processes if n not in common]
             base = {**shared, **self._fixed}
             out_named = []
             for row in rows:
