@@ -37,6 +37,8 @@ from ._writer import GroupWriter
 
 __all__ = ["DB", "Writer", "utcnow"]
 
+log = logging.getLogger("dcache")
+
 # Every store not yet closed, so that a forked child can set each one up for itself.
 _OPEN: weakref.WeakSet[DB] = weakref.WeakSet()
 
@@ -52,8 +54,6 @@ def _after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):  # POSIX
     os.register_at_fork(after_in_child=_after_fork)
-
-log = logging.getLogger("dcache")
 
 
 DEFAULT_URL = "sqlite:///dcache.sqlite3"

@@ -1927,6 +1927,14 @@ EARLIEST = dt.datetime.min.replace(tzinfo=UTC)
 LATEST = dt.datetime.max.replace(tzinfo=UTC)
 
 
+def dialect_named(name: str) -> Any:
+    """A fresh SQLAlchemy dialect of the named backend (``sqlite``, ``postgresql``,
+    ``mysql``), for tests of compiled statements that need no server."""
+    from sqlalchemy.dialects import mysql, postgresql, sqlite
+
+    return {"sqlite": sqlite, "postgresql": postgresql, "mysql": mysql}[name].dialect()
+
+
 def edge_and_random_instants(seed: int) -> list[dt.datetime]:
     """The earliest and latest instants, two edges between, and 2,000 random ones."""
     rng = random.Random(seed)
@@ -1982,11 +1990,10 @@ def test_each_stored_time_reads_back_as_sqlalchemys_own_conversion_reads_it(
     processor and ``replace(tzinfo=utc)`` give, over edge and random instants, for the
     text the store writes and for any other text SQLite may hold."""
     from sqlalchemy import DateTime
-    from sqlalchemy.dialects import mysql, postgresql, sqlite
 
     from dcache._schema import UTCDateTime
 
-    dialect = {"sqlite": sqlite, "postgresql": postgresql, "mysql": mysql}[dialect_name].dialect()
+    dialect = dialect_named(dialect_name)
     ours = UTCDateTime().dialect_impl(dialect).result_processor(dialect, None)
     write = UTCDateTime().dialect_impl(dialect).bind_processor(dialect)
     sqlalchemys = DateTime().dialect_impl(dialect).result_processor(dialect, None)
@@ -2358,12 +2365,11 @@ def test_values_bound_once_give_each_statement_its_own_parameters(dialect_name: 
     converts for itself, fixed values included (the same anonymous name means another
     value in each statement; 1 and True, 0 and False stay apart)."""
     from sqlalchemy import Integer, bindparam, literal, select
-    from sqlalchemy.dialects import mysql, postgresql, sqlite
 
     from dcache._prepared import Binder, Prepared
     from dcache._writer import _shaped
 
-    dialect = {"sqlite": sqlite, "postgresql": postgresql, "mysql": mysql}[dialect_name].dialect()
+    dialect = dialect_named(dialect_name)
     statements = [
         Prepared(s, dialect)
         for s in (*_shaped(False, True), *_shaped(False, True, whole=True), *_shaped(True, True))
@@ -2408,12 +2414,11 @@ def test_rows_with_shared_values_get_each_its_own_parameters(dialect_name: str) 
     """An ``executemany`` whose rows share values (the submit's targets: the job, status,
     times) converts the shared ones once: every row's parameters are those of the row
     with the shared values, as ``Prepared.params`` gives them."""
-    from sqlalchemy.dialects import mysql, postgresql, sqlite
 
     from dcache._prepared import Prepared
     from dcache._submit import _JOB_INSERT, _TARGET_INSERT
 
-    dialect = {"sqlite": sqlite, "postgresql": postgresql, "mysql": mysql}[dialect_name].dialect()
+    dialect = dialect_named(dialect_name)
     rng = random.Random(5)
     instants = edge_and_random_instants(9)[:50]
     insert_targets = Prepared(_TARGET_INSERT, dialect)
