@@ -310,6 +310,8 @@ def concurrent(spec: Spec, variant: str) -> list[Row]:
     Aggregate targets/s of each, interleaved twice; every "database is locked" the
     engine saw is counted (the runner would retry it silently).
     """
+    if variant == "raw":
+        return _concurrent_raw(spec)
     from sqlalchemy import event
 
     import batch
@@ -368,6 +370,83 @@ def concurrent(spec: Spec, variant: str) -> list[Row]:
         _row("concurrent/single", spec.backend, total / t_serial, "targets/s"),
         _row(f"concurrent/{n}-drains", spec.backend, total / t_together, "targets/s"),
         _row("concurrent/lock-errors", spec.backend, locked[0], "errors"),
+    ]
+
+
+def _concurrent_raw(spec: Spec) -> list[Row]:
+    """The ceiling of the drain-throughput rows: the raw floor's statements (submit, then
+    each target its own committed transaction) for the same N jobs of 32, one thread
+    after another on one connection, then N threads at once, each on a connection of
+    its own; interleaved twice, as the runner's. What the database and this machine give
+    N writers that share nothing in the client: the runner's N drains, which share one
+    writer connection and its commits, are set beside it in docs/performance.md.
+    """
+    p = spec.params
+    _fresh(spec)
+    payload = payload_json(p.result_bytes)
+    n = p.concurrent
+    stores = [_floors.make("raw", spec.be, spec.url) for _ in range(n)]
+    seq = iter(range(1_000_000))
+    ids: list[str] = []
+
+    def one_job(store: Any, caller: str) -> None:
+        job_id = new_id()
+        items = store.prepare(target_urls(f"w{next(seq)}", p.concurrent_targets))
+        kind = store.submit(job_id, caller, new_id(), items)
+        if kind != "created":
+            raise RuntimeError(f"submit said {kind!r}")
+        for i in range(len(items)):
+            store.write_target(job_id, i, "done", payload)
+        ids.append(job_id)
+
+    def serial() -> float:
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            one_job(stores[0], "solo")
+        return (time.perf_counter_ns() - t0) / 1e9
+
+    def together() -> float:
+        start = threading.Barrier(n + 1)
+        failures: list[BaseException] = []
+
+        def drain(k: int) -> None:
+            try:
+                start.wait()
+                one_job(stores[k], f"caller{k}")
+            except BaseException as exc:  # re-raised below
+                failures.append(exc)
+
+        threads = [threading.Thread(target=drain, args=(k,)) for k in range(n)]
+        for t in threads:
+            t.start()
+        start.wait()
+        t0 = time.perf_counter_ns()
+        for t in threads:
+            t.join()
+        elapsed = (time.perf_counter_ns() - t0) / 1e9
+        if failures:
+            raise RuntimeError(f"a raw writer failed: {failures[0]!r}") from failures[0]
+        return elapsed
+
+    try:
+        for k, store in enumerate(stores):  # warm-up: connections, prepared statements
+            one_job(store, f"caller{k}")
+        ids.clear()
+        gc.collect()
+        t_serial = t_together = 0.0
+        for _ in range(2):
+            t_serial += serial()
+            t_together += together()
+    finally:
+        for store in stores:
+            store.close()
+    total = 2 * n * p.concurrent_targets
+    done = _count_done(spec.url, ids)
+    if done != total * 2:
+        raise RuntimeError(f"{done} of {total * 2} targets stored done")
+    return [
+        _row("concurrent/raw-single", spec.backend, total / t_serial, "targets/s"),
+        _row(f"concurrent/raw-{n}-connections", spec.backend, total / t_together, "targets/s"),
     ]
 
 

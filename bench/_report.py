@@ -78,8 +78,10 @@ def floor_of(row: str, backend: str, small_label: str) -> tuple[str, str] | None
     if group in ("submit-p50", "submit-p99", "status"):
         return None if variant == "raw" else (f"{group}/raw", backend)
     if group == "concurrent":
-        if variant == "single" or variant == "lock-errors":
+        if variant in ("single", "raw-single", "lock-errors"):
             return None
+        if variant.startswith("raw-"):
+            return "concurrent/raw-single", backend
         return "concurrent/single", backend
     if group in ("cancel-p50", "cancel-p99"):
         return None if variant == "idle" else (f"{group}/idle", backend)
@@ -136,6 +138,11 @@ def describe(row: str) -> str:
             return "concurrent drains: 'database is locked' seen"
         if variant == "single":
             return "drain throughput: 1 drain at a time (floor)"
+        if variant == "raw-single":
+            return "drain throughput: raw driver, same SQL, 1 connection at a time (floor)"
+        if variant.startswith("raw-"):
+            n = variant.split("-")[1]
+            return f"drain throughput: raw driver, same SQL, {n} connections at once (ceiling)"
         return f"drain throughput: {variant.replace('-', ' ')} at once (batch.Runner)"
     if group.startswith("cancel-"):
         if variant == "idle":
@@ -172,12 +179,25 @@ def describe(row: str) -> str:
     return row
 
 
+def _concurrent_rank(variant: str) -> int:
+    """The raw driver's pair (floor, then ceiling), then the runner's, then the count."""
+    if variant == "raw-single":
+        return 0
+    if variant.startswith("raw-"):
+        return 1
+    if variant == "single":
+        return 2
+    return 3 if variant.endswith("-drains") else 4
+
+
 def _sort_key(key: tuple[str, str]) -> tuple[int, int, int, str]:
     row, backend = key
     group, _, variant = row.partition("/")
     g = ORDER.index(group) if group in ORDER else len(ORDER)
     if group.startswith("growth"):
         v = int(variant.replace("10^", "1e").split("e")[-1]) if "^" in variant else 0
+    elif group == "concurrent":
+        v = _concurrent_rank(variant)
     else:
         v = VARIANTS.index(variant) if variant in VARIANTS else len(VARIANTS)
     b = BACKEND_ORDER.index(backend) if backend in BACKEND_ORDER else len(BACKEND_ORDER)
@@ -341,16 +361,16 @@ def targets(rows: list[dict[str, Any]], small_label: str, large_label: str) -> l
         check(f"256 live jobs: peak connections, {be}", ("connections/peak", be), None, 6)
         check(f"256 live jobs: jobs not done, {be}", ("connections/not-done", be), None, 0)
         check(f"256 live jobs: warnings/errors, {be}", ("connections/problems", be), None, 0)
-    check(
-        "'database is locked' errors in concurrent drains (max over repeats)",
-        ("concurrent/lock-errors", "sqlite"),
-        None,
-        0,
-    )
-    for r in rows:
-        if r["row"] == "concurrent/lock-errors":
-            out[-1]["value"] = r["max"]
-            out[-1]["met"] = r["max"] == 0
+    locked = [float(r["max"]) for r in rows if r["row"] == "concurrent/lock-errors"]
+    if locked:  # the worst repeat of any backend, not a median
+        out.append(
+            {
+                "target": "'database is locked' errors in concurrent drains (max over repeats)",
+                "value": max(locked),
+                "limit": "≤ 0",
+                "met": max(locked) == 0,
+            }
+        )
     for be in BACKEND_ORDER:
         check(
             f"status 32 x 1 MiB peak memory / payload, runner, {be}",

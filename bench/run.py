@@ -171,7 +171,12 @@ def plan(
         cases += [(f"status/{v}", b) for v in STATUS]
         # Quick: only the runner's read, the one issue 6 judges (each costs seconds).
         cases += [(f"memory/{v}", b) for v in (["runner"] if args.quick else MEMORY)]
-    cases += [("concurrent/runner", b) for b in ("sqlite", "postgresql") if b in up]
+    cases += [
+        (f"concurrent/{v}", b)
+        for b in ("sqlite", "postgresql")
+        if b in up
+        for v in ("raw", "runner")
+    ]
     cases += [("cancel/store", b) for b in ("sqlite", "postgresql") if b in up]
     cases += [("connections/runner", b) for b in ("sqlite", "postgresql", "mariadb") if b in up]
     cases += [(f"fetch/{v}", "loopback") for v in FETCH]

@@ -23,7 +23,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import dcache  # noqa: E402
-from bench import _cases, _floors, _prefill  # noqa: E402
+from bench import _cases, _floors, _prefill, _report  # noqa: E402
 from bench._env import (  # noqa: E402
     BACKENDS,
     Params,
@@ -95,6 +95,7 @@ CASES = [
     "status/runner",
     "memory/runner",
     "concurrent/runner",
+    "concurrent/raw",
 ]
 if _floors.has_writer():
     CASES.append("drain/writer")
@@ -158,6 +159,46 @@ def test_many_live_jobs_on_a_small_pool_keep_connections_constant(
 def test_concurrent_drains_run_on_the_servers_too(backend: str, tmp_path: Path) -> None:
     rows = {r["row"] for r in _cases.run(_spec(tmp_path, "concurrent/runner", backend))}
     assert rows == {"concurrent/single", "concurrent/2-drains", "concurrent/lock-errors"}
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_the_raw_drivers_ceiling_runs_beside_the_drains(backend: str, tmp_path: Path) -> None:
+    """The raw floor's writers, one connection at a time and all at once, each storing
+    every target of its jobs done (the case counts them), set beside the single one."""
+    rows = _cases.run(_spec(tmp_path, "concurrent/raw", backend))
+    assert {r["row"] for r in rows} == {"concurrent/raw-single", "concurrent/raw-2-connections"}
+    assert all(r["value"] > 0 and r["unit"] == "targets/s" for r in rows)
+
+
+def test_the_raw_ceiling_is_reported_against_its_own_floor_before_the_drains() -> None:
+    """In the table the raw driver's pair comes first, its N connections divided by its
+    one, then the runner's pair divided by the runner's single drain; the issue's
+    target is still the runner's N drains against its single drain."""
+    rows = [
+        {"row": name, "backend": "postgresql", "value": value, "unit": "targets/s"}
+        for name, value in [
+            ("concurrent/lock-errors", 0),
+            ("concurrent/8-drains", 3000.0),
+            ("concurrent/single", 1500.0),
+            ("concurrent/raw-8-connections", 3600.0),
+            ("concurrent/raw-single", 2000.0),
+        ]
+    ]
+    table = _report.aggregate(rows, "10^3")
+    assert [r["row"] for r in table] == [
+        "concurrent/raw-single",
+        "concurrent/raw-8-connections",
+        "concurrent/single",
+        "concurrent/8-drains",
+        "concurrent/lock-errors",
+    ]
+    ratios = {r["row"]: r["ratio"] for r in table}
+    assert ratios["concurrent/raw-single"] is None
+    assert ratios["concurrent/raw-8-connections"] == pytest.approx(1.8)
+    assert ratios["concurrent/8-drains"] == pytest.approx(2.0)
+    assert "8 connections at once (ceiling)" in table[1]["what"]
+    targets = {t["target"]: t for t in _report.targets(table, "10^3", "10^6")}
+    assert targets["8-drains aggregate / single drain, postgresql"]["value"] == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
@@ -328,3 +369,20 @@ def test_cli_prints_the_table_and_writes_json(tmp_path: Path) -> None:
     rows = {(r["row"], r["backend"]): r for r in doc["rows"]}
     assert len(rows[("drain/raw", "sqlite")]["values"]) == 1
     assert rows[("drain/raw", "sqlite")]["median"] > 0
+
+
+def test_lock_errors_are_judged_by_the_worst_repeat_of_any_backend() -> None:
+    """The count's target takes the largest count seen, and only its own line: it once
+    overwrote whichever target came last when SQLite's count was missing."""
+    rows = [
+        {"row": "concurrent/lock-errors", "backend": "sqlite", "value": v, "unit": "errors"}
+        for v in (0, 0, 2)
+    ] + [
+        {"row": "concurrent/lock-errors", "backend": "postgresql", "value": 0, "unit": "errors"},
+        {"row": "concurrent/single", "backend": "postgresql", "value": 10.0, "unit": "targets/s"},
+        {"row": "concurrent/8-drains", "backend": "postgresql", "value": 30.0, "unit": "targets/s"},
+    ]
+    targets = {t["target"]: t for t in _report.targets(_report.aggregate(rows, "10^3"), "", "")}
+    locked = targets["'database is locked' errors in concurrent drains (max over repeats)"]
+    assert (locked["value"], locked["met"]) == (2, False)
+    assert targets["8-drains aggregate / single drain, postgresql"]["value"] == 3.0
