@@ -24,12 +24,15 @@ _IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc")
 
 
 def _package_files() -> set[str]:
-    """The source tree's files of the packages, as wheel paths."""
+    """The source tree's files of the packages, as wheel paths: what the wheel's build
+    copies (the same ``_IGNORE`` rule)."""
     found = set()
     for pkg in PACKAGES:
-        for path in (REPO / pkg).rglob("*"):
-            if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
-                found.add(path.relative_to(REPO).as_posix())
+        for folder, dirs, files in os.walk(REPO / pkg):
+            ignored = _IGNORE(folder, dirs + files)
+            dirs[:] = [d for d in dirs if d not in ignored]
+            rel = Path(folder).relative_to(REPO)
+            found.update((rel / f).as_posix() for f in files if f not in ignored)
     return found
 
 
