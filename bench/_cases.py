@@ -337,27 +337,39 @@ def concurrent(spec: Spec, variant: str) -> list[Row]:
     def targets() -> list[dict[str, str]]:
         return [{"url": u} for u in target_urls(f"c{next(seq)}", p.concurrent_targets)]
 
-    def serial() -> float:
+    # This process's CPU (user + system, every thread) and context switches (voluntary and
+    # involuntary) over each way of draining: what the drains' hand-offs cost the process.
+    # On SQLite that is all of the database's work too; on a server, only the client's.
+    cpu = {"serial": 0.0, "together": 0.0}
+    switches = {"serial": 0, "together": 0}
+
+    def measured(way: str, body: Callable[[], None]) -> float:
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter_ns()
+        body()
+        elapsed = (time.perf_counter_ns() - t0) / 1e9
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        cpu[way] += (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+        switches[way] += (r1.ru_nvcsw - r0.ru_nvcsw) + (r1.ru_nivcsw - r0.ru_nivcsw)
+        return elapsed
+
+    def serial() -> None:
         for _ in range(n):
             jid, _ = runner.submit("solo", "bench", targets())
             runner.wait(jid, timeout=p.timeout)
-        return (time.perf_counter_ns() - t0) / 1e9
 
-    def together() -> float:
-        t0 = time.perf_counter_ns()
+    def together() -> None:
         ids = [runner.submit(f"caller{k}", "bench", targets())[0] for k in range(n)]
         for jid in ids:
             runner.wait(jid, timeout=p.timeout)
-        return (time.perf_counter_ns() - t0) / 1e9
 
     try:
         jid, _ = runner.submit("solo", "bench", targets())  # warm-up
         runner.wait(jid, timeout=120)
         t_serial = t_together = 0.0
         for _ in range(2):
-            t_serial += serial()
-            t_together += together()
+            t_serial += measured("serial", serial)
+            t_together += measured("together", together)
         jobs = runner.jobs(limit=10_000)
         bad = [j for j in jobs if j.status != "done"]
         if bad:
@@ -370,6 +382,17 @@ def concurrent(spec: Spec, variant: str) -> list[Row]:
         _row("concurrent/single", spec.backend, total / t_serial, "targets/s"),
         _row(f"concurrent/{n}-drains", spec.backend, total / t_together, "targets/s"),
         _row("concurrent/lock-errors", spec.backend, locked[0], "errors"),
+        _row("concurrent-cpu/single", spec.backend, cpu["serial"] / total * 1e6, "µs/target"),
+        _row(
+            f"concurrent-cpu/{n}-drains", spec.backend, cpu["together"] / total * 1e6, "µs/target"
+        ),
+        _row("concurrent-switches/single", spec.backend, switches["serial"] / total, "per target"),
+        _row(
+            f"concurrent-switches/{n}-drains",
+            spec.backend,
+            switches["together"] / total,
+            "per target",
+        ),
     ]
 
 

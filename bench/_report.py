@@ -13,6 +13,8 @@ ORDER = [
     "submit-p99",
     "status",
     "concurrent",
+    "concurrent-cpu",
+    "concurrent-switches",
     "cancel-p50",
     "cancel-p99",
     "growth-drain",
@@ -83,6 +85,8 @@ def floor_of(row: str, backend: str, small_label: str) -> tuple[str, str] | None
         if variant.startswith("raw-"):
             return "concurrent/raw-single", backend
         return "concurrent/single", backend
+    if group in ("concurrent-cpu", "concurrent-switches"):
+        return None if variant == "single" else (f"{group}/single", backend)
     if group in ("cancel-p50", "cancel-p99"):
         return None if variant == "idle" else (f"{group}/idle", backend)
     if group.startswith("growth-"):
@@ -144,6 +148,14 @@ def describe(row: str) -> str:
             n = variant.split("-")[1]
             return f"drain throughput: raw driver, same SQL, {n} connections at once (ceiling)"
         return f"drain throughput: {variant.replace('-', ' ')} at once (batch.Runner)"
+    if group in ("concurrent-cpu", "concurrent-switches"):
+        what = {
+            "concurrent-cpu": "this process's CPU a target (user + system)",
+            "concurrent-switches": "this process's context switches a target",
+        }[group]
+        if variant == "single":
+            return f"drain throughput, {what}: 1 drain at a time (floor)"
+        return f"drain throughput, {what}: {variant.replace('-', ' ')} at once"
     if group.startswith("cancel-"):
         if variant == "idle":
             return f"DB.cancel, {group[7:]}: nothing else writing (floor)"

@@ -157,8 +157,24 @@ def test_many_live_jobs_on_a_small_pool_keep_connections_constant(
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 def test_concurrent_drains_run_on_the_servers_too(backend: str, tmp_path: Path) -> None:
-    rows = {r["row"] for r in _cases.run(_spec(tmp_path, "concurrent/runner", backend))}
-    assert rows == {"concurrent/single", "concurrent/2-drains", "concurrent/lock-errors"}
+    """Each way of draining gives its rate, and this process's CPU and context switches
+    a target over it (a drain thread starts and ends for every job: some switches)."""
+    rows = {r["row"]: r for r in _cases.run(_spec(tmp_path, "concurrent/runner", backend))}
+    assert set(rows) == {
+        "concurrent/single",
+        "concurrent/2-drains",
+        "concurrent/lock-errors",
+        "concurrent-cpu/single",
+        "concurrent-cpu/2-drains",
+        "concurrent-switches/single",
+        "concurrent-switches/2-drains",
+    }
+    for way in ("single", "2-drains"):
+        assert rows[f"concurrent/{way}"]["value"] > 0
+        assert rows[f"concurrent-cpu/{way}"]["unit"] == "µs/target"
+        assert rows[f"concurrent-cpu/{way}"]["value"] > 0
+        assert rows[f"concurrent-switches/{way}"]["unit"] == "per target"
+        assert rows[f"concurrent-switches/{way}"]["value"] > 0
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
@@ -199,6 +215,41 @@ def test_the_raw_ceiling_is_reported_against_its_own_floor_before_the_drains() -
     assert "8 connections at once (ceiling)" in table[1]["what"]
     targets = {t["target"]: t for t in _report.targets(table, "10^3", "10^6")}
     assert targets["8-drains aggregate / single drain, postgresql"]["value"] == pytest.approx(2.0)
+
+
+def test_the_drains_cpu_and_switches_follow_their_rates_against_the_single_drain() -> None:
+    """The CPU and context-switch rows come after the rates, each divided by its own
+    single drain's, and no target is judged from them."""
+    rows = [
+        {"row": name, "backend": "sqlite", "value": value, "unit": unit}
+        for name, value, unit in [
+            ("concurrent-switches/8-drains", 3.5, "per target"),
+            ("concurrent-cpu/8-drains", 120.0, "µs/target"),
+            ("concurrent/8-drains", 9000.0, "targets/s"),
+            ("concurrent-switches/single", 0.5, "per target"),
+            ("concurrent-cpu/single", 100.0, "µs/target"),
+            ("concurrent/single", 10000.0, "targets/s"),
+        ]
+    ]
+    table = _report.aggregate(rows, "10^3")
+    assert [r["row"] for r in table] == [
+        "concurrent/single",
+        "concurrent/8-drains",
+        "concurrent-cpu/single",
+        "concurrent-cpu/8-drains",
+        "concurrent-switches/single",
+        "concurrent-switches/8-drains",
+    ]
+    by_row = {r["row"]: r for r in table}
+    assert by_row["concurrent-cpu/single"]["ratio"] is None
+    assert by_row["concurrent-cpu/8-drains"]["ratio"] == pytest.approx(1.2)
+    assert by_row["concurrent-switches/8-drains"]["ratio"] == pytest.approx(7.0)
+    assert by_row["concurrent-cpu/8-drains"]["what"] == (
+        "drain throughput, this process's CPU a target (user + system): 8 drains at once"
+    )
+    assert "| 0.50 | 0.50\u20130.50 | per target | floor |" in _report.table(table)
+    targets = [t["target"] for t in _report.targets(table, "10^3", "10^6")]
+    assert targets == ["8-drains aggregate / single drain, sqlite"]
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
