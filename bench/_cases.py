@@ -304,6 +304,41 @@ def _reader(spec: Spec, variant: str) -> tuple[Callable[[str], Any], Callable[[]
 # -- concurrency ----------------------------------------------------------------------
 
 
+def _local_postgres(engine: Any) -> bool:
+    """Whether a PostgreSQL engine's server runs on this machine, its processes visible
+    here (a backend's own pid found in /proc): its CPU can then be read."""
+    from sqlalchemy import text
+
+    with engine.connect() as conn:
+        pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+    try:
+        return Path(f"/proc/{int(pid)}/comm").read_text().strip() == "postgres"
+    except OSError:
+        return False
+
+
+def _postgres_cpu_ns() -> dict[int, int]:
+    """Every PostgreSQL process's CPU time so far, in ns (``/proc/<pid>/schedstat``):
+    the backends and the server's own workers (WAL writer, checkpointer and the rest)."""
+    out: dict[int, int] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            if Path(entry.path, "comm").read_text().strip() != "postgres":
+                continue
+            out[int(entry.name)] = int(Path(entry.path, "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile, or not readable
+    return out
+
+
+def _spent(before: dict[int, int], after: dict[int, int]) -> int:
+    """The CPU the processes alive at both readings spent between them, in ns (the pooled
+    connections' backends live through a measurement)."""
+    return sum(after[pid] - before[pid] for pid in before.keys() & after.keys())
+
+
 def concurrent(spec: Spec, variant: str) -> list[Row]:
     """N jobs draining at once vs the same N jobs drained one after another.
 
@@ -342,13 +377,20 @@ def concurrent(spec: Spec, variant: str) -> list[Row]:
     # On SQLite that is all of the database's work too; on a server, only the client's.
     cpu = {"serial": 0.0, "together": 0.0}
     switches = {"serial": 0, "together": 0}
+    # A PostgreSQL server on this machine: its processes' CPU too, so that the two sides'
+    # CPU a target tell what two cores can give (a server elsewhere: left out).
+    server = spec.be.kind == "postgresql" and _local_postgres(db.engine)
+    server_ns = {"serial": 0, "together": 0}
 
     def measured(way: str, body: Callable[[], None]) -> float:
+        s0 = _postgres_cpu_ns() if server else {}
         r0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter_ns()
         body()
         elapsed = (time.perf_counter_ns() - t0) / 1e9
         r1 = resource.getrusage(resource.RUSAGE_SELF)
+        if server:
+            server_ns[way] += _spent(s0, _postgres_cpu_ns())
         cpu[way] += (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
         switches[way] += (r1.ru_nvcsw - r0.ru_nvcsw) + (r1.ru_nivcsw - r0.ru_nivcsw)
         return elapsed
@@ -378,22 +420,18 @@ def concurrent(spec: Spec, variant: str) -> list[Row]:
         runner.close(timeout=30)
         db.close()
     total = 2 * n * p.concurrent_targets
-    return [
-        _row("concurrent/single", spec.backend, total / t_serial, "targets/s"),
-        _row(f"concurrent/{n}-drains", spec.backend, total / t_together, "targets/s"),
-        _row("concurrent/lock-errors", spec.backend, locked[0], "errors"),
-        _row("concurrent-cpu/single", spec.backend, cpu["serial"] / total * 1e6, "µs/target"),
-        _row(
-            f"concurrent-cpu/{n}-drains", spec.backend, cpu["together"] / total * 1e6, "µs/target"
-        ),
-        _row("concurrent-switches/single", spec.backend, switches["serial"] / total, "per target"),
-        _row(
-            f"concurrent-switches/{n}-drains",
-            spec.backend,
-            switches["together"] / total,
-            "per target",
-        ),
+    b, us = spec.backend, "µs/target"
+    rows = [
+        _row("concurrent/single", b, total / t_serial, "targets/s"),
+        _row(f"concurrent/{n}-drains", b, total / t_together, "targets/s"),
+        _row("concurrent/lock-errors", b, locked[0], "errors"),
     ]
+    for way, name in (("serial", "single"), ("together", f"{n}-drains")):
+        rows.append(_row(f"concurrent-cpu/{name}", b, cpu[way] / total * 1e6, us))
+        rows.append(_row(f"concurrent-switches/{name}", b, switches[way] / total, "per target"))
+        if server:
+            rows.append(_row(f"concurrent-server-cpu/{name}", b, server_ns[way] / total / 1e3, us))
+    return rows
 
 
 def _concurrent_raw(spec: Spec) -> list[Row]:

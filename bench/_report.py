@@ -15,6 +15,7 @@ ORDER = [
     "concurrent",
     "concurrent-cpu",
     "concurrent-switches",
+    "concurrent-server-cpu",
     "cancel-p50",
     "cancel-p99",
     "growth-drain",
@@ -85,7 +86,7 @@ def floor_of(row: str, backend: str, small_label: str) -> tuple[str, str] | None
         if variant.startswith("raw-"):
             return "concurrent/raw-single", backend
         return "concurrent/single", backend
-    if group in ("concurrent-cpu", "concurrent-switches"):
+    if group in ("concurrent-cpu", "concurrent-switches", "concurrent-server-cpu"):
         return None if variant == "single" else (f"{group}/single", backend)
     if group in ("cancel-p50", "cancel-p99"):
         return None if variant == "idle" else (f"{group}/idle", backend)
@@ -148,10 +149,11 @@ def describe(row: str) -> str:
             n = variant.split("-")[1]
             return f"drain throughput: raw driver, same SQL, {n} connections at once (ceiling)"
         return f"drain throughput: {variant.replace('-', ' ')} at once (batch.Runner)"
-    if group in ("concurrent-cpu", "concurrent-switches"):
+    if group in ("concurrent-cpu", "concurrent-switches", "concurrent-server-cpu"):
         what = {
             "concurrent-cpu": "this process's CPU a target (user + system)",
             "concurrent-switches": "this process's context switches a target",
+            "concurrent-server-cpu": "the local server's CPU a target (all its processes)",
         }[group]
         if variant == "single":
             return f"drain throughput, {what}: 1 drain at a time (floor)"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REQUIRE_SERVERS, SERVER_URLS, database_beside
-from sqlalchemy import text
+from sqlalchemy import create_engine, text
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -159,22 +159,42 @@ def test_many_live_jobs_on_a_small_pool_keep_connections_constant(
 def test_concurrent_drains_run_on_the_servers_too(backend: str, tmp_path: Path) -> None:
     """Each way of draining gives its rate, and this process's CPU and context switches
     a target over it (a drain thread starts and ends for every job: some switches)."""
-    rows = {r["row"]: r for r in _cases.run(_spec(tmp_path, "concurrent/runner", backend))}
+    spec = _spec(tmp_path, "concurrent/runner", backend)
+    rows = {r["row"]: r for r in _cases.run(spec)}
+    groups = ["concurrent-cpu", "concurrent-switches"]
+    if backend == "postgresql":
+        # A server on this machine (as CI's is): its processes' CPU is read too.
+        engine = create_engine(spec.url)
+        try:
+            local = _cases._local_postgres(engine)
+        finally:
+            engine.dispose()
+        assert local or not REQUIRE_SERVERS, "CI's PostgreSQL runs on this machine"
+        groups += ["concurrent-server-cpu"] if local else []
     assert set(rows) == {
         "concurrent/single",
         "concurrent/2-drains",
         "concurrent/lock-errors",
-        "concurrent-cpu/single",
-        "concurrent-cpu/2-drains",
-        "concurrent-switches/single",
-        "concurrent-switches/2-drains",
+        *(f"{g}/{way}" for g in groups for way in ("single", "2-drains")),
     }
     for way in ("single", "2-drains"):
         assert rows[f"concurrent/{way}"]["value"] > 0
-        assert rows[f"concurrent-cpu/{way}"]["unit"] == "µs/target"
-        assert rows[f"concurrent-cpu/{way}"]["value"] > 0
         assert rows[f"concurrent-switches/{way}"]["unit"] == "per target"
         assert rows[f"concurrent-switches/{way}"]["value"] > 0
+        for g in set(groups) - {"concurrent-switches"}:
+            assert rows[f"{g}/{way}"]["unit"] == "µs/target"
+            assert rows[f"{g}/{way}"]["value"] > 0
+
+
+def test_a_local_servers_cpu_is_read_from_its_processes() -> None:
+    """The server's CPU is the sum over PostgreSQL's processes alive at both readings;
+    one that ended meanwhile is left out, not counted as a negative."""
+    assert _cases._spent({1: 100, 2: 50, 3: 7}, {1: 160, 2: 50, 4: 999}) == 60
+    readings = _cases._postgres_cpu_ns()
+    if not readings and not REQUIRE_SERVERS:
+        pytest.skip("no PostgreSQL server runs on this machine")
+    assert readings, "CI's PostgreSQL runs on this machine: its processes are read"
+    assert all(ns >= 0 for ns in readings.values())
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
@@ -218,11 +238,13 @@ def test_the_raw_ceiling_is_reported_against_its_own_floor_before_the_drains() -
 
 
 def test_the_drains_cpu_and_switches_follow_their_rates_against_the_single_drain() -> None:
-    """The CPU and context-switch rows come after the rates, each divided by its own
-    single drain's, and no target is judged from them."""
+    """The CPU (this process's, the server's) and context-switch rows come after the
+    rates, each divided by its own single drain's, and no target is judged from them."""
     rows = [
-        {"row": name, "backend": "sqlite", "value": value, "unit": unit}
+        {"row": name, "backend": "postgresql", "value": value, "unit": unit}
         for name, value, unit in [
+            ("concurrent-server-cpu/8-drains", 150.0, "µs/target"),
+            ("concurrent-server-cpu/single", 200.0, "µs/target"),
             ("concurrent-switches/8-drains", 3.5, "per target"),
             ("concurrent-cpu/8-drains", 120.0, "µs/target"),
             ("concurrent/8-drains", 9000.0, "targets/s"),
@@ -239,8 +261,11 @@ def test_the_drains_cpu_and_switches_follow_their_rates_against_the_single_drain
         "concurrent-cpu/8-drains",
         "concurrent-switches/single",
         "concurrent-switches/8-drains",
+        "concurrent-server-cpu/single",
+        "concurrent-server-cpu/8-drains",
     ]
     by_row = {r["row"]: r for r in table}
+    assert by_row["concurrent-server-cpu/8-drains"]["ratio"] == pytest.approx(0.75)
     assert by_row["concurrent-cpu/single"]["ratio"] is None
     assert by_row["concurrent-cpu/8-drains"]["ratio"] == pytest.approx(1.2)
     assert by_row["concurrent-switches/8-drains"]["ratio"] == pytest.approx(7.0)
@@ -249,7 +274,7 @@ def test_the_drains_cpu_and_switches_follow_their_rates_against_the_single_drain
     )
     assert "| 0.50 | 0.50\u20130.50 | per target | floor |" in _report.table(table)
     targets = [t["target"] for t in _report.targets(table, "10^3", "10^6")]
-    assert targets == ["8-drains aggregate / single drain, sqlite"]
+    assert targets == ["8-drains aggregate / single drain, postgresql"]
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
