@@ -305,16 +305,13 @@ def _reader(spec: Spec, variant: str) -> tuple[Callable[[str], Any], Callable[[]
 
 
 def _local_postgres(engine: Any) -> bool:
-    """Whether a PostgreSQL engine's server runs on this machine, its processes visible
-    here (a backend's own pid found in /proc): its CPU can then be read."""
+    """Whether a PostgreSQL engine's server runs on this machine, its processes' CPU
+    readable here (a backend's own pid among those :func:`_postgres_cpu_ns` reads)."""
     from sqlalchemy import text
 
     with engine.connect() as conn:
         pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
-    try:
-        return Path(f"/proc/{int(pid)}/comm").read_text().strip() == "postgres"
-    except OSError:
-        return False
+        return int(pid) in _postgres_cpu_ns()
 
 
 def _postgres_cpu_ns() -> dict[int, int]:

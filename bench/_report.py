@@ -6,6 +6,13 @@ import re
 import statistics
 from typing import Any
 
+# What the drain-throughput case measures beside its rates, each against its single drain.
+DRAIN_COSTS = {
+    "concurrent-cpu": "this process's CPU a target (user + system)",
+    "concurrent-switches": "this process's context switches a target",
+    "concurrent-server-cpu": "the local server's CPU a target (all its processes)",
+}
+
 # Row groups in table order, with the variants of each in order.
 ORDER = [
     "drain",
@@ -13,9 +20,7 @@ ORDER = [
     "submit-p99",
     "status",
     "concurrent",
-    "concurrent-cpu",
-    "concurrent-switches",
-    "concurrent-server-cpu",
+    *DRAIN_COSTS,
     "cancel-p50",
     "cancel-p99",
     "growth-drain",
@@ -86,7 +91,7 @@ def floor_of(row: str, backend: str, small_label: str) -> tuple[str, str] | None
         if variant.startswith("raw-"):
             return "concurrent/raw-single", backend
         return "concurrent/single", backend
-    if group in ("concurrent-cpu", "concurrent-switches", "concurrent-server-cpu"):
+    if group in DRAIN_COSTS:
         return None if variant == "single" else (f"{group}/single", backend)
     if group in ("cancel-p50", "cancel-p99"):
         return None if variant == "idle" else (f"{group}/idle", backend)
@@ -149,12 +154,8 @@ def describe(row: str) -> str:
             n = variant.split("-")[1]
             return f"drain throughput: raw driver, same SQL, {n} connections at once (ceiling)"
         return f"drain throughput: {variant.replace('-', ' ')} at once (batch.Runner)"
-    if group in ("concurrent-cpu", "concurrent-switches", "concurrent-server-cpu"):
-        what = {
-            "concurrent-cpu": "this process's CPU a target (user + system)",
-            "concurrent-switches": "this process's context switches a target",
-            "concurrent-server-cpu": "the local server's CPU a target (all its processes)",
-        }[group]
+    if group in DRAIN_COSTS:
+        what = DRAIN_COSTS[group]
         if variant == "single":
             return f"drain throughput, {what}: 1 drain at a time (floor)"
         return f"drain throughput, {what}: {variant.replace('-', ' ')} at once"
