@@ -994,6 +994,66 @@ def test_a_connection_given_back_moments_ago_is_not_pinged_again(db: DB) -> None
         recent.ping, recent.window = real, 0.5
 
 
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql", "pgbouncer", "mariadb"])
+def test_the_pool_hands_out_the_connection_given_back_last(
+    db: DB, backend: str, tmp_path: Path
+) -> None:
+    """LIFO: the next checkout takes the connection given back last, so a process that
+    reads now and then keeps reusing one warm connection (and its recent use spares it the
+    pre-ping); the others stay idle for the server to time out. A caller's own
+    ``pool_use_lifo=False`` still has the pool take the longest-idle one first."""
+
+    def given_back_in_order(store: DB) -> tuple[list[Any], Any]:
+        held = [store.engine.raw_connection() for _ in range(3)]
+        order = [c.driver_connection for c in held]
+        for c in held:
+            c.close()
+        again = store.engine.raw_connection()
+        try:
+            return order, again.driver_connection
+        finally:
+            again.close()
+
+    order, next_one = given_back_in_order(db)
+    assert next_one is order[-1]
+    fifo = DB.open(backend_url(backend, tmp_path), pool_use_lifo=False)
+    try:
+        order, next_one = given_back_in_order(fifo)
+        assert next_one is order[0]
+    finally:
+        fifo.close()
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "pgbouncer", "mariadb"])
+def test_reads_spaced_out_are_not_pinged_while_the_pool_holds_idle_connections(db: DB) -> None:
+    """A read every 0.2 s, with four connections idle in the pool: each finds the one the
+    read before gave back, inside the pre-ping's half-second window. Taking the
+    longest-idle one instead (a FIFO pool) met each connection every 0.8 s and pinged
+    before every read: a second round trip per read."""
+    from dcache._engine import RecentPing
+
+    held = [db.engine.raw_connection() for _ in range(4)]  # as four request threads leave
+    for c in held:
+        c.close()
+    recent = db.engine.dialect.do_ping
+    assert isinstance(recent, RecentPing)
+    real = recent.ping
+    pinged: list[Any] = []
+
+    def ping(dbapi_conn: Any) -> bool:
+        pinged.append(dbapi_conn)
+        return real(dbapi_conn)
+
+    recent.ping = ping
+    try:
+        for _ in range(6):
+            time.sleep(0.2)
+            assert db.get_job("0" * 32) is None
+        assert pinged == []
+    finally:
+        recent.ping = real
+
+
 def _break_statements(db: DB, marker: str, *, table: str = "batch_job") -> Any:
     """An engine hook that turns the UPDATE of ``table`` for a write whose parameters
     hold ``marker`` into invalid SQL: a real database error at exactly that statement
