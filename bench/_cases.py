@@ -595,6 +595,62 @@ def cancel(spec: Spec, variant: str) -> list[Row]:
     ]
 
 
+# -- reads spaced out -------------------------------------------------------------------
+
+SPACED_GAP = 0.1  # seconds between two reads
+SPACED_IDLE = 6  # connections idle in the pool, as six request threads leave them
+
+
+def spaced(spec: Spec, variant: str) -> list[Row]:
+    """A keyed read (``DB.poll_job``, a conditional poll's) every 100 ms with six
+    connections idle in the pool, as in a web app between bursts of requests.
+
+    ``lifo``: the store as opened, whose pool hands out the connection given back last;
+    ``fifo`` (the floor): the same store with ``pool_use_lifo=False``, SQLAlchemy's default
+    order, which takes the longest-idle connection (idle 0.6 s here). The rows: the
+    read's p50, and the pool's pre-pings a read (a server's connection is pinged before
+    use unless it was used in the last half second).
+    """
+    import dcache
+    from dcache._engine import RecentPing
+
+    p = spec.params
+    reads = max(10, min(p.samples, 40))
+    options = {"pool_use_lifo": False} if variant == "fifo" else {}
+    _fresh(spec)
+    job_id = _stored_job(spec, 1, payload_json(p.result_bytes))
+    db = dcache.DB.open(spec.url, **options)
+    try:
+        held = [db.engine.raw_connection() for _ in range(SPACED_IDLE)]
+        for conn in held:
+            conn.close()
+        recent = db.engine.dialect.do_ping
+        if not isinstance(recent, RecentPing):
+            raise RuntimeError(f"the pool's pre-ping is not the store's: {recent!r}")
+        real = recent.ping
+        pings = 0
+
+        def counted(dbapi_conn: Any) -> bool:
+            nonlocal pings
+            pings += 1
+            return bool(real(dbapi_conn))
+
+        recent.ping = counted
+        samples = []
+        for _ in range(reads):
+            time.sleep(SPACED_GAP)
+            t0 = time.perf_counter_ns()
+            if db.poll_job(job_id) is None:
+                raise RuntimeError(f"job {job_id} not found")
+            samples.append((time.perf_counter_ns() - t0) / 1e3)
+    finally:
+        db.close()
+    return [
+        _row(f"spaced-p50/{variant}", spec.backend, percentile(samples, 50), "µs"),
+        _row(f"spaced-pings/{variant}", spec.backend, pings / reads, "per read"),
+    ]
+
+
 # -- connections ----------------------------------------------------------------------
 
 
@@ -896,6 +952,7 @@ CASES: dict[str, Callable[[Spec, str], list[Row]]] = {
     "status": status,
     "concurrent": concurrent,
     "cancel": cancel,
+    "spaced": spaced,
     "connections": connections,
     "growth": growth,
     "prepare": prepare_growth,

@@ -23,6 +23,8 @@ ORDER = [
     *DRAIN_COSTS,
     "cancel-p50",
     "cancel-p99",
+    "spaced-p50",
+    "spaced-pings",
     "growth-drain",
     "growth-submit-p50",
     "growth-submit-p99",
@@ -44,6 +46,8 @@ VARIANTS = [
     "payload",
     "single",
     "idle",
+    "fifo",
+    "lifo",
     "http.client",
     "fetcher",
     "floor",
@@ -95,6 +99,8 @@ def floor_of(row: str, backend: str, small_label: str) -> tuple[str, str] | None
         return None if variant == "single" else (f"{group}/single", backend)
     if group in ("cancel-p50", "cancel-p99"):
         return None if variant == "idle" else (f"{group}/idle", backend)
+    if group in ("spaced-p50", "spaced-pings"):
+        return None if variant == "fifo" else (f"{group}/fifo", backend)
     if group.startswith("growth-"):
         return None if variant == small_label else (f"{group}/{small_label}", backend)
     if group in ("memory", "memory-rss"):
@@ -163,6 +169,13 @@ def describe(row: str) -> str:
         if variant == "idle":
             return f"DB.cancel, {group[7:]}: nothing else writing (floor)"
         return f"DB.cancel, {group[7:]}: while {variant.replace('-', ' ')} write"
+    if group.startswith("spaced-"):
+        what = "p50" if group == "spaced-p50" else "pre-pings a read"
+        pool = {
+            "fifo": "longest-idle connection first (SQLAlchemy's default; floor)",
+            "lifo": "connection given back last first (the store's pool)",
+        }.get(variant, variant)
+        return f"DB.poll_job every 100 ms, 6 connections idle, {what}: {pool}"
     if group == "growth-drain":
         return f"growth: drain per target (DB.writer), {variant} targets stored"
     if group.startswith("growth-submit"):

@@ -42,6 +42,7 @@ SUBMIT = ["raw", "core", "store"]
 STATUS = ["raw", "core", "store", "runner"]
 MEMORY = ["raw", "store", "runner"]
 FETCH = ["http.client", "fetcher"]
+SPACED = ["fifo", "lifo"]
 GROWTH_BACKENDS = ["sqlite", "postgresql"]
 HTTP_BACKENDS = ["sqlite", "postgresql"]  # the HTTP rows (issue 12): gunicorn + wrk
 
@@ -178,6 +179,7 @@ def plan(
         for v in ("raw", "runner")
     ]
     cases += [("cancel/store", b) for b in ("sqlite", "postgresql") if b in up]
+    cases += [(f"spaced/{v}", b) for b in ("postgresql", "mariadb") if b in up for v in SPACED]
     cases += [("connections/runner", b) for b in ("sqlite", "postgresql", "mariadb") if b in up]
     cases += [(f"fetch/{v}", "loopback") for v in FETCH]
     cases += [("http/all", b) for b in HTTP_BACKENDS if b in up]

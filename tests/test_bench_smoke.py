@@ -289,6 +289,35 @@ def test_a_cancel_is_timed_alone_and_beside_writing_drains(backend: str, tmp_pat
     assert all(v > 0 for v in rows.values()), rows
 
 
+@pytest.mark.parametrize("backend", ["postgresql", "mariadb"])
+def test_spaced_polls_find_a_recently_used_connection_only_in_the_stores_order(
+    backend: str, tmp_path: Path
+) -> None:
+    """With six connections idle and a read every 100 ms, the longest-idle connection
+    (the floor's order) was idle past the pre-ping's window: pinged before every read but
+    the first few; the store's order reuses the one just given back, never pinged."""
+    rows = {}
+    for variant in ("fifo", "lifo"):
+        rows.update(
+            {r["row"]: r for r in _cases.run(_spec(tmp_path, f"spaced/{variant}", backend))}
+        )
+    assert set(rows) == {
+        "spaced-p50/fifo",
+        "spaced-pings/fifo",
+        "spaced-p50/lifo",
+        "spaced-pings/lifo",
+    }
+    assert rows["spaced-pings/lifo"]["value"] == 0
+    assert rows["spaced-pings/fifo"]["value"] > 0.3  # the first reads came within the window
+    assert rows["spaced-p50/fifo"]["value"] > 0 and rows["spaced-p50/lifo"]["value"] > 0
+    assert _report.floor_of("spaced-p50/lifo", backend, "10^3") == ("spaced-p50/fifo", backend)
+    assert _report.floor_of("spaced-pings/fifo", backend, "10^3") is None
+    assert _report.describe("spaced-pings/lifo") == (
+        "DB.poll_job every 100 ms, 6 connections idle, pre-pings a read: "
+        "connection given back last first (the store's pool)"
+    )
+
+
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql", "mariadb"])
 def test_wipe_empties_every_table_and_postgresql_gets_its_space_back(
     backend: str, tmp_path: Path
