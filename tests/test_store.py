@@ -965,15 +965,14 @@ def test_after_a_read_in_autocommit_transactions_are_still_read_committed(
         store.close()
 
 
-@pytest.mark.parametrize("backend", ["postgresql", "pgbouncer", "mariadb"])
-def test_a_connection_given_back_moments_ago_is_not_pinged_again(db: DB) -> None:
-    """The servers' pre-ping is skipped within half a second of a connection's last use
-    (a round trip as long as a short read's own), and done after a pause."""
+@contextlib.contextmanager
+def _pings(db: DB) -> Iterator[tuple[Any, list[Any]]]:
+    """The store's pre-ping, and the connections it pinged while the block ran."""
     from dcache._engine import RecentPing
 
     recent = db.engine.dialect.do_ping
     assert isinstance(recent, RecentPing)
-    real = recent.ping
+    real, window = recent.ping, recent.window
     pinged: list[Any] = []
 
     def ping(dbapi_conn: Any) -> bool:
@@ -982,6 +981,16 @@ def test_a_connection_given_back_moments_ago_is_not_pinged_again(db: DB) -> None
 
     recent.ping = ping
     try:
+        yield recent, pinged
+    finally:
+        recent.ping, recent.window = real, window
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "pgbouncer", "mariadb"])
+def test_a_connection_given_back_moments_ago_is_not_pinged_again(db: DB) -> None:
+    """The servers' pre-ping is skipped within half a second of a connection's last use
+    (a round trip as long as a short read's own), and done after a pause."""
+    with _pings(db) as (recent, pinged):
         assert db.get_job("0" * 32) is None
         pinged.clear()
         for _ in range(5):
@@ -990,8 +999,6 @@ def test_a_connection_given_back_moments_ago_is_not_pinged_again(db: DB) -> None
         recent.window = 0.0
         assert db.get_job("0" * 32) is None
         assert len(pinged) == 1  # after a pause (here: any), pinged before use
-    finally:
-        recent.ping, recent.window = real, 0.5
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql", "pgbouncer", "mariadb"])
@@ -1030,28 +1037,14 @@ def test_reads_spaced_out_are_not_pinged_while_the_pool_holds_idle_connections(d
     read before gave back, inside the pre-ping's half-second window. Taking the
     longest-idle one instead (a FIFO pool) met each connection every 0.8 s and pinged
     before every read: a second round trip per read."""
-    from dcache._engine import RecentPing
-
     held = [db.engine.raw_connection() for _ in range(4)]  # as four request threads leave
     for c in held:
         c.close()
-    recent = db.engine.dialect.do_ping
-    assert isinstance(recent, RecentPing)
-    real = recent.ping
-    pinged: list[Any] = []
-
-    def ping(dbapi_conn: Any) -> bool:
-        pinged.append(dbapi_conn)
-        return real(dbapi_conn)
-
-    recent.ping = ping
-    try:
+    with _pings(db) as (_recent, pinged):
         for _ in range(6):
             time.sleep(0.2)
             assert db.get_job("0" * 32) is None
         assert pinged == []
-    finally:
-        recent.ping = real
 
 
 def _break_statements(db: DB, marker: str, *, table: str = "batch_job") -> Any:
