@@ -100,6 +100,13 @@ _MYSQL_ESCAPED = "\\\x00\n\r\x1a\"'"
 # waited 0.8 s, and every read paid a ping's round trip first. The connections left idle
 # are the ones a server (or PgBouncer) may time out; the pre-ping finds those.
 _POOL_ORDER = {"pool_use_lifo": True}
+# SQLite's pool, for a database in a file and in memory alike.
+_SQLITE_POOL: dict[str, Any] = {
+    "poolclass": QueuePool,
+    "pool_size": 8,
+    "max_overflow": 56,
+    **_POOL_ORDER,
+}
 
 
 _BOOL = {"true": True, "1": True, "yes": True, "on": True}
@@ -316,12 +323,7 @@ class DB(
                     store = cls._memory(busy_timeout, engine_options)
                     store.tombstone_ttl = tombstone_ttl
                     return store
-                opts: dict[str, Any] = {
-                    "poolclass": QueuePool,
-                    "pool_size": 8,
-                    "max_overflow": 56,
-                    **_POOL_ORDER,
-                }
+                opts: dict[str, Any] = dict(_SQLITE_POOL)
                 connect_args: dict[str, Any] = {"check_same_thread": False, "timeout": busy_timeout}
             else:
                 backend = u.get_backend_name()
@@ -363,12 +365,7 @@ class DB(
         name = f"/dcache-{secrets.token_hex(8)}"
         uri = f"file:{name}?vfs=memdb"
         keeper = sqlite3.connect(uri, uri=True, check_same_thread=False)
-        opts: dict[str, Any] = {
-            "poolclass": QueuePool,
-            "pool_size": 8,
-            "max_overflow": 56,
-            **_POOL_ORDER,
-        }
+        opts: dict[str, Any] = dict(_SQLITE_POOL)
         opts.update({k: v for k, v in engine_options.items() if k != "connect_args"})
         opts["creator"] = lambda: sqlite3.connect(
             uri, uri=True, check_same_thread=False, timeout=busy_timeout
