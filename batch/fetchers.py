@@ -26,6 +26,7 @@ import io
 import ipaddress
 import mimetypes
 import os
+import re
 import socket
 import ssl
 import stat
@@ -34,7 +35,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeAlias
-from urllib.parse import quote, unquote, urljoin, urlsplit
+from urllib.parse import SplitResult, quote, unquote, urljoin, urlsplit
 
 from ._errors import FetchError
 from ._values import Result, Target
@@ -109,8 +110,17 @@ _V6_REASONS: tuple[tuple[ipaddress.IPv6Network, str], ...] = tuple(
         ("fec0::/10", "site-local (deprecated)"),
         ("ff00::/8", "multicast"),
         ("2001:db8::/32", "documentation"),
+        ("3fff::/20", "documentation"),
+        ("::ffff:0:0:0/96", "IPv4-translated (reserved)"),
+        ("64:ff9b:1::/48", "local-use NAT64"),
+        ("100::/64", "discard-only"),
+        ("5f00::/16", "segment routing (SRv6)"),
     )
 )
+# IANA allocates global unicast from 2000::/3 only; the rest is reserved by the IETF
+# (the ranges above name the special ones). Judged here, not left to ``is_global``, whose
+# table differs from one Python release to the next.
+_GLOBAL_UNICAST = ipaddress.IPv6Network("2000::/3")
 _MAPPED = ipaddress.IPv6Network("::ffff:0:0/96")
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
 _SIX_TO_FOUR = ipaddress.IPv6Network("2002::/16")
@@ -134,8 +144,10 @@ def address_refusal(address: Address) -> str | None:
     Only globally routable unicast addresses pass (:mod:`ipaddress`'s ``is_global``, not
     multicast). An IPv6 address that carries an IPv4 one (IPv4-mapped ``::ffff:0:0/96``,
     NAT64 ``64:ff9b::/96``, 6to4 ``2002::/16``) is judged by that IPv4 address too, since
-    that is where its packets go; deprecated IPv4-compatible and site-local forms are
-    refused.
+    that is where its packets go; deprecated IPv4-compatible and site-local forms, the
+    IPv4-translated form, local-use NAT64 ``64:ff9b:1::/48``, and every other IPv6 address
+    outside global unicast ``2000::/3`` are refused, whatever the running Python's
+    ``is_global`` says of them.
     """
     if isinstance(address, ipaddress.IPv6Address):
         embedded = _embedded_v4(address)
@@ -154,6 +166,8 @@ def address_refusal(address: Address) -> str | None:
                 return why
         if address.is_multicast:
             return "multicast"
+        if address not in _GLOBAL_UNICAST:
+            return "reserved (outside global unicast 2000::/3)"
         if not address.is_global:
             return "not globally routable"
         return None
@@ -167,16 +181,18 @@ def address_refusal(address: Address) -> str | None:
     return None
 
 
+_V4_PART = re.compile(r"0[xX][0-9a-fA-F]+|0[0-7]*|[1-9][0-9]*")
+"""One part as ``inet_aton`` reads it: ASCII digits only, no sign, underscore or space
+(all of which Python's ``int`` would take)."""
+
+
 def _v4_part(text: str) -> int | None:
     """One part of an inet_aton address: decimal, octal (leading 0) or hex (0x)."""
-    try:
-        if text[:2].lower() == "0x":
-            return int(text[2:] or "0", 16)
-        if len(text) > 1 and text[0] == "0":
-            return int(text[1:], 8)
-        return int(text, 10) if text.isdigit() else None
-    except ValueError:
+    if _V4_PART.fullmatch(text) is None:
         return None
+    if text[:2] in ("0x", "0X"):
+        return int(text[2:], 16)
+    return int(text, 8 if text[0] == "0" else 10)
 
 
 def parse_ip_literal(host: str) -> Address | None:
@@ -473,6 +489,35 @@ def _idna(host: str) -> str:
     return host
 
 
+def _split(url: str) -> SplitResult:
+    """``urlsplit`` with the port read: a URL it cannot take fails as a :class:`FetchError`
+    (its target fails, the HTTP API answers 422), never as a ``ValueError``."""
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # reading it checks it: not a number, or out of range
+    except ValueError as exc:
+        raise FetchError(f"invalid URL {url[:200]!r}: {exc}", hint="check the URL") from None
+    return parts
+
+
+def _hostname(parts: SplitResult, url: str) -> str:
+    """The host a connection to ``parts`` is made to: IDNA applied (so ``127。0。0。1`` is
+    judged as the ``127.0.0.1`` it becomes), a name's labels checked."""
+    host = parts.hostname
+    if not host:
+        raise FetchError(f"URL has no host: {url[:200]!r}", hint="check the URL")
+    host = _idna(host)
+    if ":" not in host and parse_ip_literal(host) is None:
+        labels = host[:-1].split(".") if host.endswith(".") else host.split(".")
+        if (
+            len(host) > 254
+            or not all(0 < len(label) <= 63 for label in labels)
+            or any(c.isspace() or not c.isprintable() for c in host)
+        ):
+            raise FetchError(f"invalid host name {host[:200]!r}", hint="check the URL")
+    return host
+
+
 class Fetcher:
     """A ``fetch(target) -> Result`` for ``http`` and ``https`` URLs (and ``file``, if asked).
 
@@ -554,22 +599,21 @@ class Fetcher:
         Checks the scheme and a host spelled as a literal address (names are judged
         when connected). The HTTP API calls it to answer 422 before a job is made.
         """
-        parts = urlsplit(url)
+        parts = _split(url)
         scheme = parts.scheme.lower()
         if scheme not in self.schemes:
             raise FetchError(
                 f"URL scheme {scheme!r} refused" if scheme else "URL has no scheme",
                 hint=f"use a URL whose scheme is {' or '.join(self.schemes)}",
             )
-        if scheme in _HTTP and self._proxy is None:
-            host = parts.hostname
-            if not host:
-                raise FetchError("URL has no host", hint="check the URL")
-            self.guard.check_literal(host)
+        if scheme in _HTTP:
+            host = _hostname(parts, url)
+            if self._proxy is None:
+                self.guard.check_literal(host)
 
     def __call__(self, target: Target) -> Result:
         """Fetch one target; raise :class:`~batch.FetchError` to fail it."""
-        scheme = urlsplit(target.url).scheme.lower()
+        scheme = _split(target.url).scheme.lower()
         if scheme not in self.schemes:
             self.check_url(target.url)  # raises, naming the refused scheme
         extra = sorted(set(target.options.to_json()) - _SUPPORTED_OPTIONS)
@@ -591,7 +635,7 @@ class Fetcher:
     # -- file: --------------------------------------------------------------------------
 
     def _read_file(self, url: str) -> tuple[bytes, dict[str, Any]]:
-        parts = urlsplit(url)
+        parts = _split(url)
         if parts.netloc not in ("", "localhost"):
             raise FetchError(
                 f"file URL names a remote host {parts.netloc!r}", hint="use file:///path"
@@ -707,8 +751,13 @@ class Fetcher:
                 f"HTTP {resp.status} {resp.reason}: a redirect without a usable Location",
                 hint="fetch the final URL directly",
             )
-        target = urljoin(current, location.strip())
-        scheme = urlsplit(target).scheme.lower()
+        try:
+            target = urljoin(current, location.strip())
+        except ValueError as exc:
+            raise FetchError(
+                f"invalid URL {location[:200]!r} in a redirect: {exc}", hint="check the URL"
+            ) from None
+        scheme = _split(target).scheme.lower()
         if scheme not in _HTTP or scheme not in self.schemes:
             # Never from the web into file: or ftp:, whatever the scheme list says.
             raise FetchError(
@@ -725,16 +774,10 @@ class Fetcher:
     def _open(
         self, url: str, deadline: float
     ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-        parts = urlsplit(url)
+        parts = _split(url)
         scheme = parts.scheme.lower()
-        try:
-            host = parts.hostname
-            port = parts.port
-        except ValueError as exc:
-            raise FetchError(f"invalid URL {url[:200]!r}: {exc}", hint="check the URL") from None
-        if not host:
-            raise FetchError(f"URL has no host: {url[:200]!r}", hint="check the URL")
-        host = _idna(host)
+        host = _hostname(parts, url)
+        port = parts.port
         if port is None:  # always explicit: http.client would read "::1" as host:port
             port = 443 if scheme == "https" else 80
         headers = {
@@ -809,7 +852,7 @@ def _status_error(code: int, reason: str) -> FetchError:
 
 
 def _host(url: str) -> str:
-    return urlsplit(url).netloc or url[:200]
+    return _split(url).netloc or url[:200]
 
 
 def _status_hint(code: int) -> str:

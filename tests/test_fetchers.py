@@ -295,6 +295,45 @@ def test_dns_rebinding_cannot_move_the_connection(
     assert calls == ["127.0.0.2", "127.0.0.1"]  # one resolution per connection
 
 
+@pytest.mark.parametrize(
+    ("address", "words"),
+    [
+        ("::ffff:0:127.0.0.1", "IPv4-translated"),
+        ("::ffff:0:10.0.0.5", "IPv4-translated"),
+        ("64:ff9b:1::a00:5", "local-use NAT64"),
+        ("64:ff9b:1:a00:0:500::", "local-use NAT64"),
+        ("3fff::1", "documentation"),
+        ("5f00::1", "segment routing"),
+        ("4000::1", "reserved"),
+        ("100::1", "discard-only"),
+    ],
+)
+def test_ipv6_ranges_outside_global_unicast_are_refused_on_every_python(
+    serve: Callable[..., RawServer], monkeypatch: pytest.MonkeyPatch, address: str, words: str
+) -> None:
+    """IANA's non-global IPv6 ranges are refused by the policy's own table, not by
+    whatever ``is_global`` the running Python's ``ipaddress`` knows (3.11.7 calls these
+    global): as a literal (early and at the fetch) and as what a name resolves to."""
+    parsed = ipaddress.IPv6Address(address)
+    assert words in (address_refusal(parsed) or "")
+    with pytest.raises(BlockedAddressError, match=words):
+        Fetcher().check_url(f"http://[{address}]/")
+    err = refused(f"http://[{address}]/")
+    assert isinstance(err, BlockedAddressError)
+    assert err.message.startswith(f"blocked address {parsed} ("), err.message
+    server = serve(reply(b"inside"))
+
+    def answer(host: Any, port: Any, *args: Any, **kw: Any) -> Any:
+        return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", (address, int(port), 0, 0))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", answer)
+    err = refused(f"http://svc.test:{server.port}/")
+    assert err.message.endswith("for host 'svc.test'"), err.message
+    assert server.connections == 0
+    # The operator can still name one on purpose.
+    assert Guard([address]).refusal("svc.test", parsed) is None
+
+
 def test_a_name_with_any_refused_address_is_refused(
     serve: Callable[..., RawServer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -328,6 +367,41 @@ def test_an_explicit_proxy_is_used_and_the_environment_is_not(
     assert origin.connections == 1
     with pytest.raises(ValueError, match="proxy"):
         Fetcher(proxy="socks5://127.0.0.1:1080")
+
+
+@pytest.mark.parametrize(
+    "url", ["http://[::1/", "http://[::1]:x/", "http://example.org:99999/", "http://h:port/"]
+)
+def test_a_malformed_url_fails_its_target_as_a_fetch_error(url: str) -> None:
+    """What urlsplit cannot take is a FetchError (the target fails, the API answers 422),
+    never a ValueError escaping the fetcher."""
+    with pytest.raises(batch.FetchError, match="invalid URL"):
+        Fetcher().check_url(url)
+    err = refused(url)
+    assert type(err) is batch.FetchError
+    assert err.message.startswith("invalid URL "), err.message
+    assert err.hint == "check the URL"
+
+
+def test_a_redirect_to_a_malformed_url_fails_the_target(serve: Callable[..., RawServer]) -> None:
+    """A Location urljoin cannot take fails the target like any other bad redirect."""
+    bouncer = serve(reply(b"", "302 Found", Location="http://[::1/inside"))
+    err = refused(bouncer.url + "/", Fetcher(allow=LOOPBACK))
+    assert type(err) is batch.FetchError
+    assert err.message.startswith("invalid URL "), err.message
+
+
+@pytest.mark.parametrize(
+    "host",
+    ["127\u30020\u30020\u30021", "127\uff0e0\uff0e0\uff0e1", "\u2460\u2461\u2466.0.0.1"],
+)
+def test_the_early_check_judges_the_host_the_fetch_would_connect_to(host: str) -> None:
+    """Ideographic and fullwidth dots and circled digits become 127.0.0.1 through IDNA, as
+    they do when the fetch connects: the early check refuses them too."""
+    with pytest.raises(BlockedAddressError, match="loopback"):
+        Fetcher().check_url(f"http://{host}/")
+    with pytest.raises(BlockedAddressError, match="loopback"):
+        get(f"http://{host}/")
 
 
 def test_check_url_refuses_schemes_and_literal_addresses_only() -> None:
@@ -373,6 +447,11 @@ def _expected_refused(address: Any) -> bool:
             return True
         if address.is_site_local:
             return True
+        # IANA: global unicast is 2000::/3 only; within it, the documentation ranges.
+        if address not in ipaddress.ip_network("2000::/3"):
+            return True
+        if any(address in ipaddress.ip_network(n) for n in ("2001:db8::/32", "3fff::/20")):
+            return True
     return not address.is_global or address.is_multicast
 
 
@@ -386,7 +465,7 @@ embedded = st.one_of(
 
 
 @settings(max_examples=3000, deadline=None)
-@given(st.one_of(v4, v6, embedded))
+@given(st.one_of(v4, v6, st.ip_addresses(network="2000::/3"), embedded))
 def test_classification_matches_ipaddress(address: Any) -> None:
     """Refused exactly when ipaddress says not global or multicast (embedded v4 judged)."""
     assert (address_refusal(address) is not None) == _expected_refused(address)
@@ -407,6 +486,61 @@ def test_every_inet_aton_spelling_parses_to_its_address(address: Any) -> None:
     for text in spellings:
         assert parse_ip_literal(text) == address, text
         assert socket.inet_aton(text) == address.packed, text
+
+
+def _numeric_host(text: str) -> bytes | None:
+    """The IPv4 address the C resolver reads ``text`` as, if it is one (what a connect to
+    that host would reach without asking DNS)."""
+    try:
+        infos = socket.getaddrinfo(text, None, socket.AF_INET, 0, 0, socket.AI_NUMERICHOST)
+    except (socket.gaierror, UnicodeError):
+        return None
+    return socket.inet_aton(infos[0][4][0])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "0x-1",
+        "0x-7f.1",
+        "1.2.0x-1",
+        "0x7_f.1",
+        "0x+7f.1",
+        "0x0x7f.1",
+        "01_77.1",
+        "+127.1",
+        "0x",
+        "0x.1",
+        "08.1",
+        " 1.2.3.4",
+        "1.2.3.4 ",
+        "0 1.2",
+        "1.2.3.256",
+        "1.2.65536",
+        "1.16777216",
+        "4294967296",
+        "0x100.1",
+        "00.0x0.0.0377",
+        "0x7f.1",
+        "127.1",
+    ],
+)
+def test_literal_parsing_agrees_with_the_c_resolver(text: str) -> None:
+    """Python's int() reads signs, underscores and white space that the C resolver does
+    not: such a host is a name (or nothing), never an address, and the parser never
+    raises."""
+    parsed = parse_ip_literal(text)
+    assert (parsed.packed if parsed is not None else None) == _numeric_host(text), text
+    # Non-ASCII digits are a name's until IDNA has made them ASCII (as the fetch does).
+    assert parse_ip_literal("\uff11\uff12\uff17.1") is None
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.text(alphabet="0123456789abcdefxX._+- ", max_size=14))
+def test_literal_parsing_agrees_with_the_c_resolver_on_any_text(text: str) -> None:
+    """The same, for any text of digits, hex letters, dots, signs and underscores."""
+    parsed = parse_ip_literal(text)
+    assert (parsed.packed if parsed is not None else None) == _numeric_host(text), text
 
 
 # -- one deadline, byte caps -------------------------------------------------------------------

@@ -693,6 +693,11 @@ def fetcher_api() -> Iterator[Callable[..., Api]]:
         ("http://169.254.169.254/latest/meta-data/", "link-local"),
         ("file:///etc/passwd", "URL scheme 'file' refused"),
         ("gopher://example.org/", "URL scheme 'gopher' refused"),
+        ("http://[::1/", "invalid URL"),
+        ("http://example.org:99999/", "invalid URL"),
+        ("http://127\u30020\u30020\u30021/", "blocked address 127.0.0.1 (loopback)"),
+        ("http://[::ffff:0:127.0.0.1]/", "IPv4-translated"),
+        ("http://[64:ff9b:1::a00:5]/", "local-use NAT64"),
     ],
 )
 def test_the_default_fetcher_refuses_targets_early_with_422(
