@@ -226,7 +226,12 @@ _SCHEMAS: dict[str, Any] = {
                     "limit": {"type": "integer"},
                     "live": {"type": "integer"},
                     "retry_after": {"type": "integer"},
-                    "status": {"type": "string", "enum": _JOB_STATUSES},
+                    "status": {
+                        "type": "string",
+                        "enum": list(dict.fromkeys(_JOB_STATUSES + _TARGET_STATUSES)),
+                        "description": "The job's status (job_finished), or the target's"
+                        " (no_result).",
+                    },
                     "parameter": {"type": "string"},
                     "hint": {"type": "string"},
                     "expired_at": {**_TIME, "description": "When an expired job lapsed."},

@@ -30,6 +30,7 @@ import hashlib
 import json
 import logging
 import math
+import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NoReturn
 
@@ -173,7 +174,7 @@ class BatchAPI:
     def _own_job(self, job_id: str, caller: str) -> Job:
         job = self.runner.job(job_id)
         if job is None or job.caller != caller:
-            raise _not_found(job_id)
+            raise self._missing(job_id, caller)
         return job
 
     def _read_payload(self) -> object:
@@ -416,13 +417,13 @@ class BatchAPI:
             parts = whole.get("meta") or {}, iter([whole.get("content", "")])
             del whole
         meta, pieces = parts
-        ctype = meta.get("content_type") if isinstance(meta, dict) else None
+        ctype = _media_type(meta.get("content_type")) if isinstance(meta, dict) else None
         if isinstance(meta, dict) and meta.get("encoding") == "base64":
             body = _base64_body(pieces)
-            mimetype = str(ctype) if ctype else "application/octet-stream"
+            mimetype = ctype or "application/octet-stream"
         else:
             body = (piece.encode("utf-8") for piece in pieces)
-            mimetype = str(ctype) if ctype else "text/plain; charset=utf-8"
+            mimetype = ctype or "text/plain; charset=utf-8"
         # Read from the store, decoded and written a slice at a time: neither the stored
         # text nor the content is ever held whole (in the driver, in Python or in the
         # answer). A result purged while it streams ends the answer early (no last chunk).
@@ -882,55 +883,38 @@ def _build(
         retry_after=retry_after,
         www_authenticate=www_authenticate,
     )
-    bp.add_url_rule("", "submit", api._post_job, methods=["POST"])
-    bp.add_url_rule("/openapi.json", "openapi", api._openapi, methods=["GET"])
-    bp.add_url_rule("/<job_id>", "job", api._get_job, methods=["GET"])
-    bp.add_url_rule("/<job_id>", "cancel", api._delete_job, methods=["DELETE"])
-    bp.add_url_rule("/<job_id>/targets/<idx>", "target", api._get_target, methods=["GET"])
-    bp.add_url_rule("/<job_id>/targets/<idx>/content", "content", api._get_content, methods=["GET"])
+    plain = {"provide_automatic_options": False}  # OPTIONS: answered below, per route
+    bp.add_url_rule("", "submit", api._post_job, methods=["POST"], **plain)
+    bp.add_url_rule("/openapi.json", "openapi", api._openapi, methods=["GET"], **plain)
+    bp.add_url_rule("/<job_id>", "job", api._get_job, methods=["GET"], **plain)
+    bp.add_url_rule("/<job_id>", "cancel", api._delete_job, methods=["DELETE"], **plain)
+    bp.add_url_rule("/<job_id>/targets/<idx>", "target", api._get_target, methods=["GET"], **plain)
+    bp.add_url_rule(
+        "/<job_id>/targets/<idx>/content", "content", api._get_content, methods=["GET"], **plain
+    )
     # Routing errors never reach blueprint error handlers, so the blueprint answers its
-    # own wrong methods and unknown paths in the one JSON shape, leaving the app alone.
-    bp.add_url_rule(
-        "",
-        "submit_405",
-        _method_not_allowed("POST"),
-        methods=["GET", "PUT", "PATCH", "DELETE"],
-    )
-    bp.add_url_rule(
-        "/openapi.json",
-        "openapi_405",
-        _method_not_allowed("GET, HEAD"),
-        methods=["POST", "PUT", "PATCH", "DELETE"],
-    )
-    bp.add_url_rule(
-        "/<job_id>",
-        "job_405",
-        _method_not_allowed("GET, HEAD, DELETE"),
-        methods=["POST", "PUT", "PATCH"],
-    )
-    for rule, endpoint in (
-        ("/<job_id>/targets/<idx>", "target_405"),
-        ("/<job_id>/targets/<idx>/content", "content_405"),
-    ):
+    # own wrong methods and unknown paths in the one JSON shape, leaving the app alone;
+    # and OPTIONS itself, since Flask's would list every method of a path's rules, these
+    # 405 rules' included. (A method outside _OTHER_METHODS gets werkzeug's own 405.)
+    for rule, endpoint, allow in _ROUTES:
+        others = [m for m in _OTHER_METHODS if m not in allow.split(", ")]
         bp.add_url_rule(
-            rule,
-            endpoint,
-            _method_not_allowed("GET, HEAD"),
-            methods=["POST", "PUT", "PATCH", "DELETE"],
+            rule, f"{endpoint}_405", _method_not_allowed(allow), methods=others, **plain
         )
+        bp.add_url_rule(rule, f"{endpoint}_options", _options(allow), methods=["OPTIONS"], **plain)
     # "<prefix>/" (an empty job id) matches no rule above; without this it fell through
     # to the app's HTML 404.
     bp.add_url_rule(
         "/",
         "no_job_id",
         _no_job_id,
-        methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"],
+        methods=[*_OTHER_METHODS, "OPTIONS"],
     )
     bp.add_url_rule(
         "/<path:rest>",
         "unknown",
         _unknown_path,
-        methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"],
+        methods=[*_OTHER_METHODS, "OPTIONS"],
     )
     bp.register_error_handler(APIError, lambda exc: exc.response())
     bp.register_error_handler(dcache.StoreError, api._handle_store_error)
@@ -943,6 +927,45 @@ def _build(
 def _no_store(resp: Response) -> Response:
     resp.headers.setdefault("Cache-Control", "no-store")  # per-caller data: never cache
     return resp
+
+
+_MEDIA_TYPE = re.compile(
+    r"[!#$%&'*+.^_`|~0-9A-Za-z-]+/[!#$%&'*+.^_`|~0-9A-Za-z-]+[ \t]*(;[ -~\t]*)?"
+)
+"""A media type as a Content-Type header carries it (RFC 9110 tokens, then parameters
+of printable ASCII): no line break, control character or non-ASCII text."""
+
+
+def _media_type(reported: object) -> str | None:
+    """The content type a fetch reported, if it can be sent as one; else ``None`` (the
+    default is used): a misbehaving fetch never breaks or injects the answer's headers."""
+    if isinstance(reported, str) and _MEDIA_TYPE.fullmatch(reported):
+        return reported
+    return None
+
+
+_ROUTES = (
+    ("", "submit", "POST"),
+    ("/openapi.json", "openapi", "GET, HEAD"),
+    ("/<job_id>", "job", "GET, HEAD, DELETE"),
+    ("/<job_id>/targets/<idx>", "target", "GET, HEAD"),
+    ("/<job_id>/targets/<idx>/content", "content", "GET, HEAD"),
+)
+"""The API's routes and the methods each takes, as its ``Allow`` header says them."""
+
+_OTHER_METHODS = (
+    *("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "TRACE", "QUERY"),
+    *("PROPFIND", "PROPPATCH", "MKCOL", "COPY", "MOVE", "LOCK", "UNLOCK", "SEARCH"),
+)
+"""The methods a client may send to a route that does not take them (HTTP's, then
+WebDAV's): each answers the JSON 405 with the route's own ``Allow``."""
+
+
+def _options(allow: str) -> Callable[..., Response]:
+    def view(**_kw: Any) -> Response:
+        return Response(status=204, headers={"Allow": f"{allow}, OPTIONS"})
+
+    return view
 
 
 def _method_not_allowed(allow: str) -> Callable[..., Response]:

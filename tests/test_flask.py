@@ -643,6 +643,49 @@ def test_wrong_methods_and_unknown_paths_answer_in_the_json_shape(make: Make) ->
     assert api.open("HEAD", "/jobs/openapi.json").status_code == 200
 
 
+@pytest.mark.parametrize("method", ["TRACE", "PROPFIND", "SEARCH", "HEAD"])
+def test_other_methods_are_405_in_the_json_shape_with_the_routes_own_allow(
+    make: Make, method: str
+) -> None:
+    """A method no route takes (WebDAV's, TRACE) answers the one JSON 405, and Allow lists
+    what the route takes, not every method some other rule of the path answers."""
+    api, _ = make()
+    allow = {
+        "/jobs": "POST",
+        "/jobs/openapi.json": "GET, HEAD",
+        "/jobs/abc": "GET, HEAD, DELETE",
+        "/jobs/abc/targets/0": "GET, HEAD",
+        "/jobs/abc/targets/0/content": "GET, HEAD",
+    }
+    for path, allowed in allow.items():
+        if method in allowed:
+            continue
+        resp = api.open(method, path)
+        assert resp.status_code == 405, (method, path)
+        if method != "HEAD":
+            _error(resp, 405, "method_not_allowed")
+        assert resp.headers["Allow"] == allowed, (method, path)
+    if method != "HEAD":
+        _error(api.open(method, "/jobs/abc/def"), 404, "not_found")
+        _error(api.open(method, "/jobs/"), 404, "not_found")
+
+
+def test_options_lists_what_each_route_takes(make: Make) -> None:
+    """OPTIONS answers 204 with the route's own methods (not its 405 rules' methods)."""
+    api, _ = make()
+    for path, allowed in {
+        "/jobs": "POST, OPTIONS",
+        "/jobs/openapi.json": "GET, HEAD, OPTIONS",
+        "/jobs/abc": "GET, HEAD, DELETE, OPTIONS",
+        "/jobs/abc/targets/0": "GET, HEAD, OPTIONS",
+        "/jobs/abc/targets/0/content": "GET, HEAD, OPTIONS",
+    }.items():
+        resp = api.client.open(path, method="OPTIONS")
+        assert resp.status_code == 204, path
+        assert resp.headers["Allow"] == allowed, path
+        assert resp.headers["Cache-Control"] == "no-store"
+
+
 def test_responses_are_never_cached(make: Make) -> None:
     """Per-caller answers carry Cache-Control: no-store (checked on every response)."""
     api, _ = make()

@@ -315,6 +315,9 @@ def test_one_target_and_its_content_one_at_a_time(make_all: Make, fetch: GatedFe
     assert content.mimetype == "text/plain" and content.mimetype_params["charset"] == "utf-8"
     none = _error(api.open("GET", f"{prefix}/1/content"), 404, "no_result")
     assert none["status"] == "running"
+    # A target's own status, which the document's error schema admits (not a job's).
+    none = _error(api.open("GET", f"{prefix}/2/content"), 404, "no_result")
+    assert none["status"] == "pending"
     for idx in ("3", "-1", "x", "99999999999"):
         _error(api.open("GET", f"{prefix}/{idx}"), 404, "not_found")
         _error(api.open("GET", f"{prefix}/{idx}/content"), 404, "not_found")
@@ -346,6 +349,26 @@ def test_content_carries_the_type_fetch_reported(make_all: Make) -> None:
     assert html.headers["X-Content-Type-Options"] == "nosniff"
     pic = api.open("GET", f"/jobs/{job_id}/targets/1/content")
     assert (pic.headers["Content-Type"], pic.get_data()) == ("image/png", png)
+
+
+@pytest.mark.parametrize(
+    "reported",
+    ["text/html\r\nX-Injected: 1", "text/\u2603", "text/plain\x00", ["text/html"], 7, "html", ""],
+)
+def test_content_falls_back_to_the_default_type_when_fetch_reports_an_unusable_one(
+    make_all: Make, reported: Any
+) -> None:
+    """A fetch's content_type that is no media type (a header break, non-Latin-1 text, not
+    a string) never reaches the headers: the content goes out as text/plain."""
+    api, runner = make_all()
+    runner._fetch = lambda _t: batch.Result("body", {"content_type": reported})  # type: ignore[attr-defined]
+    job_id = _submit(api, ["test://a"])
+    runner.wait(job_id, timeout=10)
+    resp = api.open("GET", f"/jobs/{job_id}/targets/0/content")
+    assert resp.status_code == 200
+    assert resp.headers["Content-Type"] == "text/plain; charset=utf-8"
+    assert "X-Injected" not in resp.headers
+    assert resp.get_data() == b"body"
 
 
 def test_content_is_read_from_the_store_a_slice_at_a_time(
@@ -423,6 +446,8 @@ def test_an_expired_job_is_410_to_its_caller_and_404_to_others(
             assert body["expired_at"] == done.expires_at.isoformat()
             _error(api.open("GET", path, caller="bob"), 404, "not_found")
         _error(api.get(job_id, headers={"If-None-Match": tag}), 410, "expired")
+        _error(api.get(job_id, query_string={"wait": "1"}), 410, "expired")
+        _error(api.get(job_id, query_string={"wait": "1"}, caller="bob"), 404, "not_found")
         _error(api.delete(job_id), 410, "expired")
         _error(api.delete(job_id, caller="bob"), 404, "not_found")
     _error(api.get("0" * 32), 404, "not_found")
