@@ -97,4 +97,4 @@ class FetchError(Exception):
     def __init__(self, message: str, hint: str = ""):
         super().__init__(message)
         self.message = message
-        self.hint = hint
+        self.hint = "" if hint is None else hint

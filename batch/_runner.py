@@ -827,10 +827,19 @@ class Runner:
     ) -> dict[str, Any]:
         """The fields to store for a fetch that raised (anything, SystemExit included)."""
         if isinstance(exc, FetchError):
+            # A subclass may never have run FetchError.__init__ (a dataclass's generated
+            # one does not): no message, no hint. Its own text, or its repr, is the error.
+            message = getattr(exc, "message", None)
+            if message is None:
+                try:
+                    message = str(exc) or repr(exc)
+                except BaseException:
+                    message = _describe(exc)
+            hint = getattr(exc, "hint", None)
             return {
                 "status": FAILED,
-                "error": _storable(exc.message),
-                "hint": _storable(exc.hint),
+                "error": _storable(message),
+                "hint": "" if hint is None else _storable(hint),
             }
         self._log.critical(
             "fetch crashed on job %s target %d (%s)",

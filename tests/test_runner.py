@@ -7,6 +7,7 @@ the injected clock instead of sleeping. Multi-process crash tests live elsewhere
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import logging
@@ -377,6 +378,14 @@ class _Unprintable(Exception):
         raise ValueError("no text for you")
 
 
+@dataclasses.dataclass
+class _HttpStatus(FetchError):
+    """A FetchError subclass whose generated __init__ never runs FetchError's: no
+    ``message``, no ``hint``."""
+
+    status: int
+
+
 def _circular() -> dict[str, Any]:
     meta: dict[str, Any] = {}
     meta["self"] = meta
@@ -390,6 +399,18 @@ MISBEHAVING: list[tuple[str, Callable[[Target], Any], str, str]] = [
         _raising(FetchError("404 not found", hint="check the URL")),
         "404 not found",
         "check the URL",
+    ),
+    (
+        "fetch-error-subclass-without-its-init",
+        _raising(_HttpStatus(404)),
+        "404",  # its str(): the args its constructor was called with
+        "",
+    ),
+    (
+        "fetch-error-hint-none",
+        _raising(FetchError("gone", hint=None)),  # type: ignore[arg-type]
+        "gone",
+        "",
     ),
     ("runtime-error", _raising(RuntimeError("boom")), "RuntimeError: boom", ""),
     ("system-exit", _raising(SystemExit(3)), "SystemExit: 3", ""),
