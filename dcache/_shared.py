@@ -47,6 +47,8 @@ def utf8_size(text: str) -> int:
 def aware_now(now: dt.datetime | None) -> dt.datetime:
     if now is None:
         return utcnow()
+    if not isinstance(now, dt.datetime):
+        raise TypeError(f"now must be an aware UTC datetime or None, not {type(now).__name__}")
     if now.tzinfo is None or now.utcoffset() is None:
         raise ValueError(f"naive datetime {now!r}: pass an aware UTC datetime")
     return now.astimezone(dt.timezone.utc)

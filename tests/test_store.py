@@ -2069,11 +2069,21 @@ def test_each_stored_time_reads_back_as_sqlalchemys_own_conversion_reads_it(
             assert ours(text) == reference(text), text
 
 
-def test_a_naive_datetime_is_rejected(db: DB) -> None:
-    """Naive times are ambiguous (local or UTC?): every time-taking method refuses them."""
-    naive = dt.datetime(2030, 1, 1)
+@pytest.mark.parametrize(
+    ("naive", "error"),
+    [
+        (dt.datetime(2030, 1, 1), ValueError),
+        ("2030-01-01T00:00:00+00:00", TypeError),
+        (dt.date(2030, 1, 1), TypeError),
+        (1_900_000_000, TypeError),
+    ],
+    ids=["naive", "str", "date", "int"],
+)
+def test_a_naive_datetime_is_rejected(db: DB, naive: Any, error: type[Exception]) -> None:
+    """Naive times are ambiguous (local or UTC?): every time-taking method refuses them,
+    and a value that is no datetime at all is a TypeError saying so."""
     job = created(db)
-    with pytest.raises(ValueError):
+    with pytest.raises(error):
         submit(db, now=naive)
     calls = [
         lambda: db.get_job(job.id, now=naive),
@@ -2090,7 +2100,7 @@ def test_a_naive_datetime_is_rejected(db: DB) -> None:
         lambda: db.purge_expired(now=naive),
     ]
     for call in calls:
-        with pytest.raises(ValueError):
+        with pytest.raises(error, match="naive datetime" if error is ValueError else "now must be"):
             call()
     stored = job_of(db, job.id)
     assert (stored.status, stored.targets_done) == ("running", 0)
