@@ -7,7 +7,8 @@ POSTs the payload signed as the Standard Webhooks specification says, and record
 attempt; failures are retried on :data:`batch.WEBHOOK_SCHEDULE` with jitter, a permanent
 refusal (a 4xx other than 408 and 429) or the schedule's end gives up (``failed``).
 Delivery is at least once: a receiver deduplicates on the ``webhook-id`` header, the same
-for every attempt.
+for every attempt. A sender delivers a claim's rows only while its claim surely holds, so
+two healthy senders never send one notification at once.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 import attrs
 
@@ -32,7 +32,7 @@ import dcache
 from dcache._schema import DELIVERED, GIVEN_UP, UNDELIVERED
 
 from . import fetchers
-from ._errors import InvalidTargetsError, StoreError
+from ._errors import FetchError, InvalidTargetsError, StoreError
 from .events import DeliveryAttempted
 
 if TYPE_CHECKING:
@@ -52,6 +52,12 @@ SCHEDULE: tuple[dt.timedelta, ...] = (
 """The waits before the retries of a failed delivery (about 27.5 hours in all, ±10%)."""
 
 MAX_URL_LENGTH = 2048
+# A claim's deliveries end within this share of its lease, measured from just before the
+# claim (the rest covers recording the last attempt, and the peers' clocks); one attempt
+# may take half of that at most, so a claim always fits at least one.
+_LEASE_USE = 0.8
+_CLAIM_MAX = 16  # rows claimed at once, at most
+_ANSWER_BYTES = 2000  # of the receiver's answer, read and kept at most
 _log = logging.getLogger("batch.webhooks")
 
 Secrets = str | Sequence[str]
@@ -60,8 +66,10 @@ Secrets = str | Sequence[str]
 def _key(secret: str) -> bytes:
     if not isinstance(secret, str) or not secret.startswith("whsec_"):
         raise ValueError("a webhook secret is 'whsec_' followed by base64 (Standard Webhooks)")
+    text = secret[6:]
     try:
-        key = base64.b64decode(secret[6:], validate=True)
+        # Padding may be left out, as the reference implementation reads it.
+        key = base64.b64decode(text + "=" * (-len(text) % 4), validate=True)
     except ValueError:
         raise ValueError("a webhook secret is 'whsec_' followed by base64") from None
     if len(key) < 16:
@@ -95,6 +103,14 @@ def _check_secrets(value: object) -> None:
         _key(s)
 
 
+def _secret_repr(value: object) -> str:
+    """A secret as ``repr`` shows it: how many, never their text."""
+    if callable(value):
+        return "<per caller>"
+    n = 1 if isinstance(value, str) else len(value) if isinstance(value, Sequence) else 0
+    return f"<{n} secret{'' if n == 1 else 's'}>"
+
+
 @attrs.frozen
 class Webhooks:
     """How this runner signs and sends job-end webhooks (``Runner(webhooks=...)``).
@@ -108,16 +124,22 @@ class Webhooks:
             ``(host, address) -> bool``. Loopback, private and link-local addresses are
             refused by default, at every connect (so DNS rebinding cannot slip through).
         schemes: the URL schemes accepted.
-        timeout: seconds for one delivery attempt (connect, send, answer).
+        timeout: seconds for one delivery attempt (connect, send, answer); at most 40% of
+            ``lease`` (an attempt is cut to that otherwise).
         schedule: the waits before each retry (:data:`batch.WEBHOOK_SCHEDULE`); ``jitter`` spreads
             each by that fraction either way.
         poll: seconds between looks for due notifications (a job ended in this process
             wakes the sender at once).
         lease: how long a sender's claim on a notification holds; a sender that died
-            mid-delivery leaves it to the others after that.
+            mid-delivery leaves it to the others after that. A sender delivers a claim's
+            notifications only while the whole attempt surely ends within 80% of it,
+            and leaves the rest to be claimed again.
+        finish_wait: how long the announcement of a cancelled job waits for the job to
+            finish (its drain stops once the target in flight is stored; if the owner
+            died, a reaper finishes it) before it goes out anyway.
     """
 
-    secret: Secrets | Callable[[str], Secrets] = attrs.field()
+    secret: Secrets | Callable[[str], Secrets] = attrs.field(repr=_secret_repr)
     allow: fetchers.Allow = ()
     schemes: tuple[str, ...] = ("https", "http")
     timeout: float = 10.0
@@ -125,14 +147,17 @@ class Webhooks:
     jitter: float = 0.1
     poll: float = 1.0
     lease: dt.timedelta = dt.timedelta(seconds=60)
+    finish_wait: dt.timedelta = dt.timedelta(minutes=10)
 
     @secret.validator
     def _check(self, _a: object, value: object) -> None:
         _check_secrets(value)
         if not 0 <= self.jitter < 1:
             raise ValueError("jitter must be from 0 to less than 1")
-        if self.timeout <= 0 or self.poll <= 0:
-            raise ValueError("timeout and poll must be positive")
+        if self.timeout <= 0 or self.poll <= 0 or self.lease <= dt.timedelta(0):
+            raise ValueError("timeout, poll and lease must be positive")
+        if self.finish_wait < dt.timedelta(0):
+            raise ValueError("finish_wait must not be negative")
 
     def secrets_for(self, caller: str) -> Secrets:
         """The secret(s) that sign a notification of ``caller``'s job."""
@@ -143,24 +168,29 @@ class Webhooks:
     def check_url(self, url: object) -> str:
         """Refuse a notification URL that could never be delivered (raise 422's error).
 
-        The scheme, the length, and a host spelled as an address the guard refuses;
-        names are judged at every connect.
+        The scheme, the length, the port, the host name's spelling (after IDNA, as the
+        connect sees it), and a host spelled as an address the guard refuses; names are
+        judged on what they resolve to at every connect.
         """
         if not isinstance(url, str) or not url or len(url) > MAX_URL_LENGTH:
             raise InvalidTargetsError(
                 f"notify url must be a string of 1 to {MAX_URL_LENGTH} characters",
                 field="notify.url",
             )
-        parts = urlsplit(url)
-        if parts.scheme.lower() not in self.schemes or not parts.hostname:
-            raise InvalidTargetsError(
-                f"notify url must be an absolute {' or '.join(self.schemes)} URL",
-                field="notify.url",
-            )
         try:
-            fetchers.Guard(self.allow).check_literal(parts.hostname)
+            parts = fetchers._split(url)
+            if parts.scheme.lower() not in self.schemes or not parts.hostname:
+                raise InvalidTargetsError(
+                    f"notify url must be an absolute {' or '.join(self.schemes)} URL",
+                    field="notify.url",
+                )
+            if parts.port == 0:
+                raise FetchError(f"invalid URL {url[:200]!r}: port 0", hint="check the URL")
+            fetchers.Guard(self.allow).check_literal(fetchers._hostname(parts, url))
         except fetchers.BlockedAddressError as exc:
             raise InvalidTargetsError(f"notify url refused: {exc}", field="notify.url") from None
+        except FetchError as exc:
+            raise InvalidTargetsError(f"notify url: {exc}", field="notify.url") from None
         return url
 
     def next_attempt(self, attempts: int, now: dt.datetime) -> dt.datetime | None:
@@ -172,13 +202,20 @@ class Webhooks:
         return now + dt.timedelta(seconds=wait)
 
 
-def _post(url: str, body: bytes, headers: dict[str, str], hooks: Webhooks) -> tuple[int, str]:
-    """POST through the address guard; (HTTP status, the start of the answer)."""
-    deadline = time.monotonic() + hooks.timeout
-    parts = urlsplit(url)
+def _post(
+    url: str, body: bytes, headers: dict[str, str], hooks: Webhooks, timeout: float | None = None
+) -> tuple[int, str]:
+    """POST through the address guard within ``timeout`` seconds (``hooks.timeout``);
+    (HTTP status, the start of the answer).
+
+    Once the status has come it decides the attempt: a body that then fails to arrive
+    only cuts the answer's text short.
+    """
+    deadline = time.monotonic() + (hooks.timeout if timeout is None else timeout)
+    parts = fetchers._split(url)
     scheme = parts.scheme.lower()
-    host = fetchers._idna(parts.hostname or "")
-    port = parts.port or (443 if scheme == "https" else 80)
+    host = fetchers._hostname(parts, url)
+    port = parts.port if parts.port is not None else 443 if scheme == "https" else 80
     budget = max(deadline - time.monotonic(), 0.001)
     conn: http.client.HTTPConnection
     if scheme == "https":
@@ -189,8 +226,18 @@ def _post(url: str, body: bytes, headers: dict[str, str], hooks: Webhooks) -> tu
     try:
         conn.request("POST", fetchers._request_target(parts), body=body, headers=headers)
         resp = conn.getresponse()
-        answer = resp.read(2000).decode("utf-8", "replace")
-        return resp.status, answer
+        read = bytearray()
+        cut = ""
+        try:
+            while len(read) < _ANSWER_BYTES:
+                part = resp.read1(_ANSWER_BYTES - len(read))
+                if not part:
+                    break
+                read += part
+        except Exception as exc:  # the status came: the attempt has its answer
+            cut = f" [answer cut short: {type(exc).__name__}: {exc}]"[:100]
+        text = read.decode("utf-8", "replace")
+        return resp.status, text[:400] + cut if cut else text
     finally:
         conn.close()
 
@@ -233,34 +280,61 @@ class Sender:
             self.wake.clear()
 
     def deliver_due(self) -> int:
-        """Claim and deliver what is due now; how many were attempted."""
-        db = self.runner.db
-        rows = db.claim_notifications(
-            self.runner.owner, now=self.runner._clock(), lease=self.hooks.lease
+        """Claim and deliver what is due now; how many were attempted.
+
+        No attempt may outlast the claim: another sender would take the row when it
+        lapses and send it too. So a claim takes only as many rows as fit in it, one
+        after the other at the longest attempt each, and before each row the sender
+        checks that the attempt still fits (by both its monotonic clock and the clock
+        the claim was stamped with); a row that no longer fits is left to be claimed
+        again once the claim lapses, by this sender or another.
+        """
+        runner = self.runner
+        usable = self.hooks.lease.total_seconds() * _LEASE_USE
+        attempt = min(self.hooks.timeout, usable / 2)
+        limit = max(1, min(_CLAIM_MAX, int(usable // attempt)))
+        started, claimed_at = time.monotonic(), runner._clock()
+        rows = runner.db.claim_notifications(
+            runner.owner,
+            now=claimed_at,
+            lease=self.hooks.lease,
+            limit=limit,
+            finish_wait=self.hooks.finish_wait,
         )
+        attempted = 0
         for row in rows:
             if self._stop.is_set():
                 break  # the claim lapses; another sender (or this one, later) takes it
-            self._deliver(row)
-        return len(rows)
+            elapsed = max(
+                time.monotonic() - started, (runner._clock() - claimed_at).total_seconds()
+            )
+            if elapsed + attempt > usable:
+                break  # the claim could lapse mid-attempt: the rest wait for it to lapse
+            self._deliver(row, attempt)
+            attempted += 1
+        return attempted
 
     def payload(self, row: dcache.NotificationRow) -> bytes:
-        """The job as ``GET /jobs/<id>?results=false`` shows it, with its type."""
+        """The job as ``GET /jobs/<id>?results=false`` shows it, with its type.
+
+        ``timestamp`` is when the job finished (the event's time, the same for every
+        attempt); once the job is gone, when its end was queued.
+        """
         found = self.runner.status(row.job_id, results=False)
-        doc: dict[str, Any] = {
-            "type": "job.finished",
-            "timestamp": self.runner._clock().isoformat(),
-        }
-        if found is None:  # purged meanwhile: what the row itself knows
+        doc: dict[str, Any] = {"type": "job.finished", "timestamp": ""}
+        when = row.created_at
+        if found is None:  # its lease lapsed (purged): what the row itself knows
             doc["job"] = {"id": row.job_id, "status": row.job_status}
             doc["targets"] = None
         else:
             job, targets = found
+            when = job.finished_at or when
             doc["job"] = {k: v for k, v in job.to_json().items() if k != "owner"}
             doc["targets"] = [t.to_json() for t in targets]
+        doc["timestamp"] = when.isoformat()
         return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
 
-    def _deliver(self, row: dcache.NotificationRow) -> None:
+    def _deliver(self, row: dcache.NotificationRow, timeout: float | None = None) -> None:
         runner = self.runner
         started = time.monotonic()
         status = 0
@@ -274,7 +348,7 @@ class Sender:
                 "webhook-timestamp": str(stamp),
                 "webhook-signature": sign(self.hooks.secrets_for(row.caller), row.id, stamp, body),
             }
-            status, text = _post(row.url, body, headers, self.hooks)
+            status, text = _post(row.url, body, headers, self.hooks, timeout)
             answer = f"HTTP {status}: {text[:500]}"
         except StoreError:
             raise

@@ -11,6 +11,12 @@ Senders (any live runner's) claim due rows for a while (:meth:`OutboxQueries.cla
 ``FOR UPDATE SKIP LOCKED`` on PostgreSQL and MariaDB, the write lock on SQLite), deliver
 them, and record each attempt (:meth:`OutboxQueries.record_attempt`). A sender that dies
 mid-delivery leaves its claim to lapse; another sender takes the row then.
+
+A cancel ends its job (and queues the row) before the job has *finished*: its drain still
+stores the target in flight, then sets ``finished_at`` (or a reaper does, if the drain's
+process died). Senders ask the claim to hold such a row back until then (``finish_wait``),
+so that the announcement shows the job as it finished; the row exists from the cancel on,
+so it is never lost.
 """
 
 from __future__ import annotations
@@ -126,22 +132,54 @@ class OutboxQueries:
         now: dt.datetime | None = None,
         lease: dt.timedelta = dt.timedelta(seconds=60),
         limit: int = 16,
+        finish_wait: dt.timedelta | None = None,
     ) -> list[NotificationRow]:
         """Claim up to ``limit`` due notifications for ``owner`` until ``now + lease``.
 
         Due: pending, its next attempt at or before ``now``, and not claimed by a sender
         whose claim still holds. Rows another transaction is claiming are skipped, so
         several senders share the work without waiting for each other.
+
+        With ``finish_wait``, the row of a job that has ended but not finished (a
+        cancelled job whose drain is still storing its target in flight) is held back
+        until the job finishes, or until ``finish_wait`` after the row was queued.
         """
         now = aware_now(now)
+        due = [
+            outbox.c.status == UNDELIVERED,
+            outbox.c.next_attempt_at <= now,
+            or_(outbox.c.claimed_until.is_(None), outbox.c.claimed_until < now),
+        ]
         with self._write() as conn:
+            if finish_wait is not None:
+                # First a plain read, which locks nothing: the due rows whose job has
+                # finished (or is gone), or that waited long enough. The claim below then
+                # locks only outbox rows, as without finish_wait: a subquery on the jobs
+                # in a locking read may lock job rows on InnoDB (those a drain's write
+                # holds among them). A job never unfinishes, so what this read passed
+                # stays passed; the locking read re-checks the rest. It reads a few times
+                # the limit, so that rows other senders are claiming leave this one some.
+                unfinished = (
+                    select(jobs.c.id)
+                    .where(jobs.c.id == outbox.c.job_id, jobs.c.finished_at.is_(None))
+                    .exists()
+                )
+                ready = (
+                    conn.execute(
+                        select(outbox.c.id)
+                        .where(*due, or_(~unfinished, outbox.c.created_at <= now - finish_wait))
+                        .order_by(outbox.c.next_attempt_at, outbox.c.id)
+                        .limit(limit * 4)
+                    )
+                    .scalars()
+                    .all()
+                )
+                if not ready:
+                    return []
+                due.append(outbox.c.id.in_(ready))
             q = (
                 select(*_COLUMNS)
-                .where(
-                    outbox.c.status == UNDELIVERED,
-                    outbox.c.next_attempt_at <= now,
-                    or_(outbox.c.claimed_until.is_(None), outbox.c.claimed_until < now),
-                )
+                .where(*due)
                 .order_by(outbox.c.next_attempt_at, outbox.c.id)
                 .limit(limit)
                 .with_for_update(skip_locked=True)
@@ -211,7 +249,9 @@ class OutboxQueries:
     def redeliver(self, job_id: str, now: dt.datetime | None = None) -> bool:
         """Send a delivered or failed notification again, now (same webhook id).
 
-        False when the job has no notification, or it is still pending.
+        Its attempts start over from 0: the redelivery gets the whole retry schedule,
+        from its first step. False when the job has no notification, or it is still
+        pending.
         """
         if not findable(job_id):
             return False
@@ -222,6 +262,7 @@ class OutboxQueries:
                 .where(outbox.c.id == message_id(job_id), outbox.c.status != UNDELIVERED)
                 .values(
                     status=UNDELIVERED,
+                    attempts=0,
                     next_attempt_at=now,
                     claimed_by="",
                     claimed_until=None,

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import hashlib
 import http.server
 import json
 import secrets
+import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -25,6 +27,7 @@ from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 import batch
 import dcache
+from batch._webhooks import Sender
 from dcache._schema import jobs, outbox
 
 SECRET = "whsec_" + base64.b64encode(b"k" * 32).decode()
@@ -33,9 +36,16 @@ FAST = dt.timedelta(milliseconds=50)
 
 
 class Receiver:
-    """A webhook receiver on 127.0.0.1 that answers with scripted statuses (then 200)."""
+    """A webhook receiver on 127.0.0.1 that answers with scripted statuses (then 200).
 
-    def __init__(self, answers: list[int] | None = None) -> None:
+    ``on_post(headers, body)``, if given, runs for each request before it is answered.
+    """
+
+    def __init__(
+        self,
+        answers: list[int] | None = None,
+        on_post: Callable[[dict[str, str], bytes], None] | None = None,
+    ) -> None:
         self.answers = list(answers or [])
         self.seen: list[tuple[dict[str, str], bytes]] = []
         self.lock = threading.Lock()
@@ -44,8 +54,11 @@ class Receiver:
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["Content-Length"]))
+                headers = {k.lower(): v for k, v in self.headers.items()}
+                if on_post is not None:
+                    on_post(headers, body)
                 with receiver.lock:
-                    receiver.seen.append(({k.lower(): v for k, v in self.headers.items()}, body))
+                    receiver.seen.append((headers, body))
                     code = receiver.answers.pop(0) if receiver.answers else 200
                 self.send_response(code)
                 self.send_header("Content-Length", "2")
@@ -286,7 +299,7 @@ def test_the_schedule_ends_in_failed_and_redeliver_sends_again(
         assert note.last_answer.startswith("HTTP 503")
         assert runner.redeliver(job_id)
         again = settled(runner, job_id)
-        assert (again.status, again.attempts) == ("delivered", 4)
+        assert (again.status, again.attempts) == ("delivered", 1)  # the schedule over
         assert not runner.redeliver("0" * 32)
     attempts = [e for e in seen if isinstance(e, batch.events.DeliveryAttempted)]
     assert [a.outcome for a in attempts] == ["pending", "pending", "failed", "delivered"]
@@ -390,3 +403,350 @@ def test_reads_that_show_a_job_show_its_notification_with_it(
         assert plain is not None
         with plain:
             assert plain.notification is None  # not asked for: no second statement
+
+
+# -- the payload, the schedule and the claim (the webhook review) ---------------------------
+
+
+def queued(
+    db: dcache.DB,
+    url: str,
+    now: dt.datetime,
+    *,
+    caller: str = "alice",
+    n: int = 1,
+    owner: str = "",
+) -> str:
+    """A job made in the store itself (no drain), announced at ``url`` when it ends."""
+    job_id = batch.new_job_id()
+    out = db.submit(
+        job_id=job_id,
+        caller=caller,
+        caller_class="free",
+        idem_key=hashlib.sha256(job_id.encode()).hexdigest(),
+        targets=[dcache.NewTarget(f"https://e.com/{i}") for i in range(n)],
+        ttl=dt.timedelta(hours=1),
+        jobs_per_caller=64,
+        jobs_total=64,
+        owner=owner,
+        now=now,
+        notify_url=url,
+    )
+    assert out.kind == "created", out
+    return job_id
+
+
+def body_of(seen: tuple[dict[str, str], bytes]) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(seen[1])
+    return doc
+
+
+def test_a_retry_after_the_lease_lapsed_sends_only_the_job_id_and_status(
+    db: dcache.DB, receiver: Receiver
+) -> None:
+    """The schedule (about 27.5 h) outlasts the default lease (24 h): once the job is
+    purged, a retry can only say which job ended and how, as the docs say."""
+    clock = Clock(dt.datetime.now(dt.timezone.utc))
+    receiver.answers = [500]
+    config = batch.Config(ttl=dt.timedelta(hours=1))
+    webhooks = hooks(schedule=(dt.timedelta(hours=2),), poll=3600)
+    with batch.Runner(db, ok, config, clock=clock, webhooks=webhooks) as runner:
+        sender = runner._sender
+        assert sender is not None
+        job_id, _ = runner.submit("alice", "free", urls(2), notify=receiver.url)
+        job = runner.wait(job_id, timeout=WAIT)
+        assert job is not None and job.finished_at is not None
+        poll(lambda: (n := runner.notification(job_id)) and n.attempts == 1)
+        first = body_of(receiver.seen[0])
+        assert first["job"]["id"] == job_id and len(first["targets"]) == 2
+        clock.advance(hours=3)  # the lease (1 h) lapsed; the retry (2 h) is due
+        assert db.purge_expired(now=clock.now) == 1
+        assert runner.status(job_id) is None
+        assert sender.deliver_due() == 1
+        note = runner.notification(job_id)
+        assert note is not None and (note.status, note.attempts) == ("delivered", 2)
+    retry = body_of(receiver.seen[1])
+    assert retry == {
+        "type": "job.finished",
+        "timestamp": job.finished_at.isoformat(),
+        "job": {"id": job_id, "status": "done"},
+        "targets": None,
+    }
+
+
+def test_a_cancelled_job_is_announced_once_its_in_flight_target_is_stored(
+    db: dcache.DB, receiver: Receiver
+) -> None:
+    """job.finished means finished: the cancel's announcement waits for the drain to stop,
+    so the receiver sees finished_at and the target that was in flight, stored."""
+    entered, gate = threading.Event(), threading.Event()
+
+    def fetch(target: batch.Target) -> batch.Result:
+        if target.url.endswith("/1"):
+            entered.set()
+            assert gate.wait(WAIT)
+        return batch.Result(content="ok")
+
+    with batch.Runner(db, fetch, webhooks=hooks()) as runner:
+        sender = runner._sender
+        assert sender is not None
+        job_id, _ = runner.submit("alice", "free", urls(3), notify=receiver.url)
+        assert entered.wait(WAIT)
+        assert runner.cancel(job_id)
+        note = runner.notification(job_id)  # queued by the cancel: never lost
+        assert note is not None and (note.status, note.attempts) == ("pending", 0)
+        assert sender.deliver_due() == 0  # the job has ended, not finished: not yet
+        assert receiver.seen == []
+        gate.set()
+        job = runner.wait(job_id, timeout=WAIT)
+        assert job is not None and job.finished_at is not None
+        note = settled(runner, job_id)
+    assert (note.status, note.attempts) == ("delivered", 1)
+    [seen] = receiver.seen
+    doc = body_of(seen)
+    assert doc["job"]["status"] == "cancelled"
+    assert doc["job"]["finished_at"] == job.finished_at.isoformat() == doc["timestamp"]
+    assert [t["status"] for t in doc["targets"]] == ["done", "done", "pending"]
+
+
+def test_a_cancelled_job_whose_owner_died_before_its_drain_stopped_is_announced(
+    db: dcache.DB, receiver: Receiver
+) -> None:
+    """The owner died between the cancel and its drain's end: the reaper finishes the job,
+    and the announcement goes out then (it is never lost)."""
+    now = dt.datetime.now(dt.timezone.utc)
+    job_id = queued(db, receiver.url, now, n=2, owner="gone")
+    db.write_target(job_id, 0, status="done", result='{"content":""}', ttl=dt.timedelta(hours=1))
+    assert db.cancel(job_id)  # ... and its owner "gone" never beats again
+    config = batch.Config(heartbeat=dt.timedelta(seconds=0.05))
+    with batch.Runner(db, ok, config, webhooks=hooks()) as runner:
+        note = settled(runner, job_id)
+        job = runner.poll(job_id)
+    assert job is not None and job.finished_at is not None
+    assert (note.status, note.attempts) == ("delivered", 1)
+    [seen] = receiver.seen
+    doc = body_of(seen)
+    assert doc["job"]["status"] == "cancelled"
+    assert doc["job"]["finished_at"] == job.finished_at.isoformat() == doc["timestamp"]
+    assert [t["status"] for t in doc["targets"]] == ["done", "pending"]
+
+
+def test_a_cancelled_job_whose_drain_never_stops_is_announced_after_finish_wait(
+    db: dcache.DB, receiver: Receiver
+) -> None:
+    """A live owner whose drain hangs in a fetch cannot hold the announcement for ever."""
+    clock = Clock(dt.datetime.now(dt.timezone.utc))
+    db.heartbeat("alive", now=clock.now, stale_after=dt.timedelta(days=1))
+    job_id = queued(db, receiver.url, clock.now, n=2, owner="alive")
+    cancelled_at = clock.now
+    assert db.cancel(job_id, now=cancelled_at)
+    with batch.Runner(db, ok, clock=clock) as runner:
+        sender = Sender(runner, hooks(finish_wait=dt.timedelta(minutes=10)))
+        assert sender.deliver_due() == 0
+        clock.advance(minutes=9)
+        assert sender.deliver_due() == 0
+        clock.advance(minutes=2)
+        assert sender.deliver_due() == 1
+        note = runner.notification(job_id)
+    assert note is not None and (note.status, note.attempts) == ("delivered", 1)
+    doc = body_of(receiver.seen[0])
+    assert doc["job"]["status"] == "cancelled" and doc["job"]["finished_at"] is None
+    assert doc["timestamp"] == cancelled_at.isoformat()  # when it was queued: the job's end
+
+
+def test_every_attempt_carries_the_time_the_job_finished(db: dcache.DB, receiver: Receiver) -> None:
+    """Standard Webhooks: the payload's timestamp is when the event happened, the same on
+    every attempt; the signed header's is when the attempt was signed."""
+    receiver.answers = [500]
+    with batch.Runner(db, ok, webhooks=hooks()) as runner:
+        job_id, _ = runner.submit("alice", "free", urls(1), notify=receiver.url)
+        job = runner.wait(job_id, timeout=WAIT)
+        note = settled(runner, job_id)
+    assert job is not None and job.finished_at is not None
+    assert (note.status, note.attempts) == ("delivered", 2)
+    stamps = [body_of(seen)["timestamp"] for seen in receiver.seen]
+    assert stamps == [job.finished_at.isoformat()] * 2
+    for headers, body in receiver.seen:
+        Webhook(SECRET).verify(body, headers)  # the header's time is current
+
+
+def test_redeliver_starts_the_schedule_over(db: dcache.DB, receiver: Receiver) -> None:
+    """A redelivery gets every attempt of the schedule, whatever the earlier ones did."""
+    with batch.Runner(db, ok, webhooks=hooks(schedule=(FAST, FAST))) as runner:
+        job_id, _ = runner.submit("alice", "free", urls(1), notify=receiver.url)
+        assert (settled(runner, job_id).status, len(receiver.seen)) == ("delivered", 1)
+        receiver.answers = [503] * 3
+        assert runner.redeliver(job_id)
+        note = settled(runner, job_id)
+        assert (note.status, note.attempts, len(receiver.seen)) == ("failed", 3, 4)
+        receiver.answers = [503]
+        assert runner.redeliver(job_id)  # after giving up: the whole schedule again
+        note = settled(runner, job_id)
+        assert (note.status, note.attempts, len(receiver.seen)) == ("delivered", 2, 6)
+
+
+def test_redeliver_waits_the_schedules_first_step_first(db: dcache.DB, receiver: Receiver) -> None:
+    clock = Clock(dt.datetime.now(dt.timezone.utc))
+    schedule = (dt.timedelta(seconds=5), dt.timedelta(minutes=5))
+    with batch.Runner(db, ok, clock=clock, webhooks=hooks(schedule=schedule)) as runner:
+        job_id, _ = runner.submit("alice", "free", urls(1), notify=receiver.url)
+        assert settled(runner, job_id).attempts == 1
+        receiver.answers = [500]
+        assert runner.redeliver(job_id)
+        note = poll(
+            lambda: (n := runner.notification(job_id)) and n.last_answer[5:8] == "500" and n
+        )
+        assert (note.status, note.attempts) == ("pending", 1)
+        wait = note.next_attempt_at - clock.now
+        assert dt.timedelta(seconds=4.5) <= wait <= dt.timedelta(seconds=5.5)
+
+
+class StallingReceiver:
+    """Answers each request's status line and headers, then never sends the body."""
+
+    def __init__(self, status: int) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/hook"
+        self.requests = 0
+        self.release = threading.Event()
+        self.line = f"HTTP/1.1 {status} Whatever\r\nContent-Length: 100\r\n\r\nabc".encode()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(WAIT)
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            self.requests += 1
+            conn.sendall(self.line)
+            self.release.wait(WAIT)  # 97 bytes promised, none sent
+
+    def close(self) -> None:
+        self.release.set()
+        self.listener.close()
+
+
+@pytest.mark.parametrize(("status", "outcome"), [(200, "delivered"), (410, "failed")])
+def test_a_status_whose_body_never_comes_still_decides(
+    db: dcache.DB, status: int, outcome: str
+) -> None:
+    """A 200 whose body stalls was delivered (retrying would send it twice); a 410 whose
+    body stalls is permanent (retrying would knock on a gone door all schedule long)."""
+    stalling = StallingReceiver(status)
+    try:
+        with batch.Runner(db, ok, webhooks=hooks(timeout=0.5)) as runner:
+            job_id, _ = runner.submit("alice", "free", urls(1), notify=stalling.url)
+            note = settled(runner, job_id)
+    finally:
+        stalling.close()
+    assert (note.status, note.attempts, stalling.requests) == (outcome, 1, 1)
+    assert note.last_answer.startswith(f"HTTP {status}")
+
+
+def test_a_sender_stops_before_a_row_whose_claim_could_lapse_mid_delivery(
+    db: dcache.DB,
+) -> None:
+    """Otherwise a second sender takes over a row whose claim lapsed while the first was
+    still working through its batch, and both send it."""
+    clock = Clock(dt.datetime.now(dt.timezone.utc))
+    taken: set[str] = set()  # what a second sender claimed, at each answer's end
+
+    def slow(headers: dict[str, str], body: bytes) -> None:
+        clock.advance(seconds=15)  # each answer takes 15 s (the timeout is 10 s)
+        taken.update(r.id for r in db.claim_notifications("other", now=clock.now))
+
+    receiver = Receiver(on_post=slow)
+    try:
+        for i in range(8):
+            job_id = queued(db, receiver.url, clock.now, caller=f"c{i}")
+            db.write_target(job_id, 0, status="done", ttl=dt.timedelta(hours=1), now=clock.now)
+        with batch.Runner(db, ok, clock=clock) as runner:
+            lease = dt.timedelta(seconds=60)
+            sender = Sender(runner, hooks(lease=lease, timeout=10.0))
+            attempted = sender.deliver_due()
+            sent = [h["webhook-id"] for h, _ in receiver.seen]
+            assert not set(sent) & taken  # nothing both sent here and claimed there
+            assert len(set(sent)) == len(sent) == attempted and 0 < attempted < 8
+            for msg_id in sent:
+                note = runner.notification(msg_id.removeprefix("msg_"))
+                assert note is not None and note.status == "delivered"
+            # What was left unsent is anyone's once the claims on it lapse.
+            clock.advance(seconds=61)
+            rest = {r.id for r in db.claim_notifications("third", now=clock.now)}
+            assert rest == {f"msg_{j}" for j in jobs_of(db)} - set(sent)
+    finally:
+        receiver.close()
+
+
+def jobs_of(db: dcache.DB) -> list[str]:
+    with db.engine.connect() as conn:
+        return list(conn.execute(select(jobs.c.id)).scalars())
+
+
+def test_the_repr_of_webhooks_hides_the_secrets() -> None:
+    for secret, shown in (
+        (SECRET, "secret=<1 secret>"),
+        ([SECRET, OTHER], "secret=<2 secrets>"),
+        ({"alice": SECRET}.__getitem__, "secret=<per caller>"),
+    ):
+        text = repr(batch.Webhooks(secret=secret))
+        assert shown in text, text
+        for s in (SECRET, OTHER):
+            assert s[6:16] not in text
+
+
+UNDELIVERABLE = [
+    "http://example.com:99999/x",
+    "http://example.com:abc/x",
+    "http://example.com:0/x",
+    "http://a..b/x",
+    "http://" + "a" * 70 + ".example.com/x",
+    "http://ex ample.com/x",
+    "https://[::1/",
+]
+
+
+def test_a_notify_url_that_could_never_be_delivered_is_refused_at_submit() -> None:
+    """422 at submit (an InvalidTargetsError), not a job whose announcement fails for
+    27.5 hours, nor a 500 (a bare ValueError)."""
+    db = dcache.DB.memory()
+    try:
+        with batch.Runner(db, ok, webhooks=hooks()) as runner:
+            for url in UNDELIVERABLE:
+                with pytest.raises(batch.InvalidTargetsError) as caught:
+                    runner.submit("alice", "free", urls(1), notify=url)
+                assert caught.value.field == "notify.url", url
+                assert caught.value.http_status == 422
+            assert runner.jobs() == []
+            # The same checks pass what can be delivered: a name with a port, IDNA.
+            for url in ("https://example.com:8443/x", "https://b\u00fccher.example/x"):
+                assert hooks().check_url(url) == url
+    finally:
+        db.close()
+
+
+def test_an_unpadded_secret_is_read_as_the_reference_implementation_reads_it() -> None:
+    for key in (b"k" * 32, secrets.token_bytes(16), secrets.token_bytes(24)):
+        unpadded = "whsec_" + base64.b64encode(key).decode().rstrip("=")
+        batch.Webhooks(secret=unpadded)
+        stamp = int(time.time())
+        headers = {
+            "webhook-id": "msg_1",
+            "webhook-timestamp": str(stamp),
+            "webhook-signature": batch.sign(unpadded, "msg_1", stamp, b'{"a":1}'),
+        }
+        assert Webhook(unpadded).verify(b'{"a":1}', headers) == {"a": 1}
+    short = "whsec_" + base64.b64encode(b"s" * 15).decode().rstrip("=")
+    with pytest.raises(ValueError, match="16 bytes"):
+        batch.Webhooks(secret=short)
+    with pytest.raises(ValueError, match="base64"):
+        batch.Webhooks(secret="whsec_" + "a" * 21)  # 21 characters: no base64 length
