@@ -193,6 +193,8 @@ class JobChanges:
         drain died before finishing are marked finished too. Returns how many jobs were
         marked failed.
         """
+        if not isinstance(reason, str):
+            raise TypeError(f"reason must be a str, not {type(reason).__name__}")
         now = aware_now(now)
         with self._write() as conn:
             rows = conn.execute(

@@ -1723,6 +1723,17 @@ def test_mark_in_flight_failed_uses_the_clock_when_now_is_omitted(db: DB) -> Non
     assert before <= stored.finished_at <= dcache.utcnow()
 
 
+def test_mark_in_flight_failed_refuses_a_reason_that_is_no_text(db: DB) -> None:
+    """The reason becomes every live job's error: None or a number is a TypeError before
+    anything is written, not the database's NOT NULL failure mid-transaction."""
+    job = created(db)
+    for reason in (None, 1, b"restart"):
+        with pytest.raises(TypeError, match="reason must be a str"):
+            db.mark_in_flight_failed(reason)  # type: ignore[arg-type]
+    assert job_of(db, job.id).status == "running"
+    assert db.mark_in_flight_failed("restart") == 1
+
+
 def test_heartbeat_inserts_then_updates_the_owner_row(db: DB) -> None:
     """heartbeat is an upsert: started_at stays, heartbeat_at moves; remove_owner forgets it."""
     db.heartbeat("runner-1", now=T0)
