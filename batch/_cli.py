@@ -5,8 +5,9 @@ Made for people on a terminal (tables cut to its width, a live redraw, errors th
 to check) and for scripts everywhere else (piped or ``--json``: JSON lines, unchanged).
 
 Exit statuses: 0 success (``run``: the job is done); 1 the job ended partial, failed or
-cancelled, or the job asked for does not exist; 2 bad input or usage; 75 busy or the
-database unavailable (retry later); 130 interrupted (``run`` cancels its job first).
+cancelled, the job asked for does not exist, or the database failed in a way a retry will
+not fix; 2 bad input or usage (a --db URL that is wrong, not unreachable, included); 75 busy
+or the database unavailable (retry later); 130 interrupted (``run`` cancels its job first).
 
 ``run`` fetches with the library's :class:`~batch.fetchers.Fetcher` built for the
 machine's own user: ``file:`` URLs and private and loopback addresses allowed (a web app
@@ -40,6 +41,7 @@ from dcache._upkeep import MAX_TOMBSTONE_TTL
 from . import _serve
 from ._cli_show import (
     Redraw,
+    check_db_url,
     explain_open_failure,
     job_lines,
     table,
@@ -87,7 +89,6 @@ _SETTLE = 10.0  # seconds --watch waits for a terminal job's drain to report its
 # everything up to the last "@" before the host (it may hold ":" and "/").
 _URL_CREDENTIALS = re.compile(r"^(?P<head>[\w+.-]+://[^:/@]*:)(?P<password>.*)(?P<at>@)(?=[^@]*$)")
 _URL_QUERY_PASSWORD = re.compile(r"(?P<head>[?&]password=)(?P<password>[^&]*)", re.IGNORECASE)
-_URL_SHAPE = re.compile(r"^[A-Za-z][\w+.-]*://")
 _secrets: set[str] = set()  # what _say never prints: the --db password, raw and unquoted
 
 local_fetch: Fetch = Fetcher(schemes=("http", "https", "file"), allow=("0.0.0.0/0", "::/0"))
@@ -123,6 +124,8 @@ def read_targets(lines: Iterable[str], source: str = "<stdin>") -> Checked:
                 item: object = json.loads(line)
             except ValueError as exc:
                 raise InputError(f"{source}:{lineno}: not valid JSON: {exc}") from None
+            except RecursionError:  # valid, but nested deeper than the parser follows
+                raise InputError(f"{source}:{lineno}: JSON nested too deeply") from None
         elif any(c.isspace() for c in line):
             raise InputError(
                 f"{source}:{lineno}: one URL a line, or a JSON object with options; "
@@ -143,12 +146,19 @@ def read_targets(lines: Iterable[str], source: str = "<stdin>") -> Checked:
 
 def _read_file(path: str) -> Checked:
     if path == "-":
+        # Closed (`<&-`): Python sets sys.stdin to None.
+        buffer = getattr(sys.stdin, "buffer", None)
+        if buffer is None:
+            raise InputError("<stdin>: standard input is closed; give a FILE instead of -")
         # utf-8-sig: a byte-order mark (Windows editors write one) is not part of a URL.
-        stdin = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8-sig", errors="strict")
+        stdin = io.TextIOWrapper(buffer, encoding="utf-8-sig", errors="strict")
         try:
-            return read_targets(stdin.readlines(), "<stdin>")
+            rows = stdin.readlines()
         except UnicodeDecodeError as exc:
             raise InputError(f"<stdin>: not UTF-8 text: {exc}") from None
+        except OSError as exc:
+            raise InputError(f"<stdin>: cannot read: {exc.strerror or exc}") from None
+        return read_targets(rows, "<stdin>")
     try:
         with open(path, encoding="utf-8-sig") as fh:
             lines = fh.readlines()
@@ -162,6 +172,8 @@ def _read_file(path: str) -> Checked:
 
 
 def _load_fetch(spec: str) -> Fetch:
+    """The callable ``module:attr`` names (``run --fetch`` and ``serve --fetch``); a module
+    in the working directory is found however the CLI was started."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise InputError(f"--fetch {spec!r}: use module:callable (e.g. {DEFAULT_FETCH})")
@@ -171,6 +183,12 @@ def _load_fetch(spec: str) -> Fetch:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
         raise InputError(f"--fetch {spec!r}: cannot import {module_name}: {exc}") from None
+    except Exception as exc:  # the module itself is broken: a SyntaxError, a raise
+        cause = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise InputError(
+            f"--fetch {spec!r}: cannot import {module_name}: {type(exc).__name__}"
+            + (f": {cause}" if cause else "")
+        ) from None
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
@@ -384,16 +402,18 @@ def _open_db(args: argparse.Namespace, **options: Any) -> dcache.DB | int:
     status after saying why not."""
     url = _db_url(args)
     _remember_secret(url)
-    if not _URL_SHAPE.match(url):
-        _say(
-            f"--db {redact_url(url)!r} is not a database URL "
-            "(e.g. sqlite:///batch.sqlite3 or postgresql+psycopg://user@host/db)"
-        )
+    shown = redact_url(url)
+    problem = check_db_url(url, shown)
+    if problem is not None:
+        _say(problem)
         return EXIT_USAGE
     try:
         return dcache.DB.open(url, **options)
     except Exception as exc:  # any parse or driver failure: one line, never a traceback
-        _say(explain_open_failure(url, redact_url(url), exc))
+        failure = explain_open_failure(url, shown, exc)
+        _say(failure.message)
+        if failure.bad_url:
+            return EXIT_USAGE
         return EXIT_TEMPFAIL if isinstance(exc, dcache.StoreUnavailableError) else EXIT_FAILED
 
 
@@ -534,7 +554,11 @@ def _run_job(
 ) -> int:
     try:
         job_id, reused = runner.submit(args.caller, "cli", items)
-    except (InvalidTargetsError, TooManyTargetsError) as exc:
+    except InvalidTargetsError as exc:
+        at_fault = f"--caller {args.caller!r}" if exc.field == "caller" else args.file
+        _say(f"{at_fault}: {exc}")
+        return EXIT_USAGE
+    except TooManyTargetsError as exc:
         _say(f"{args.file}: {exc}")
         return EXIT_USAGE
     except (CallerBusyError, BusyError) as exc:
@@ -851,8 +875,9 @@ environment:
 
 exit statuses:
   0    success (run, status --watch: the job is done)
-  1    the job ended partial, failed or cancelled, or there is no such job
-  2    bad input or usage
+  1    the job ended partial, failed or cancelled, there is no such job, or the
+       database failed in a way a retry will not fix
+  2    bad input or usage (a --db URL that is wrong, not unreachable, included)
   75   busy, or the database is unavailable: retry later
   130  interrupted (run cancels its job first)
 

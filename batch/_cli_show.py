@@ -16,14 +16,20 @@ import sys
 import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, NamedTuple
 
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.dialects import registry
 from sqlalchemy.engine import make_url
+
+from dcache import StoreError
 
 from ._values import Job, Result, TargetStatus
 
 __all__ = [
+    "OpenFailure",
     "Redraw",
+    "check_db_url",
     "display_width",
     "explain_open_failure",
     "fit",
@@ -40,6 +46,22 @@ _ELLIPSIS = "…"
 _MIN_URL = 12  # never squeeze a URL column below this, even on a narrow terminal
 _WRAPPED_CAUSE = re.compile(r"^\w+: \([\w.]+\)\s*")  # "OperationalError: (psycopg.X) "
 _SLUG = re.compile(r"[^A-Za-z0-9._-]+")
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+_URL_SHAPE = re.compile(r"^[A-Za-z][\w+.-]*://")
+# libpq refusing a connection string (psycopg reports it as a connection failure):
+# ?sslmode=bogus, ?foo=1, a port out of range. The URL is wrong, not the server.
+_BAD_CONNINFO = re.compile(r"\binvalid (?:connection option|port number|\w+ value)\b")
+_EXAMPLES = "e.g. sqlite:///batch.sqlite3 or postgresql+psycopg://user@host/db"
+_SUPPORTED = (
+    "batch runs on SQLite, PostgreSQL or MySQL/MariaDB: sqlite:///FILE, "
+    "postgresql+psycopg://USER@HOST/DB or mysql+pymysql://USER@HOST/DB"
+)
+# The drivers the extras install, and the URL scheme that names each.
+_DRIVERS = {
+    "postgresql": ("psycopg", "postgresql+psycopg://", "postgres"),
+    "mysql": ("pymysql", "mysql+pymysql://", "mysql"),
+    "mariadb": ("pymysql", "mariadb+pymysql://", "mysql"),
+}
 
 
 def when(value: dt.datetime | None) -> str:
@@ -199,7 +221,8 @@ def result_file_name(target: TargetStatus) -> str:
     """``<idx>-<last path segment or host>``, made safe as a file name (``.bin`` for
     base64 results, which are written decoded)."""
     url = target.url.split("?", 1)[0].split("#", 1)[0].rstrip("/")
-    tail = url.rsplit("/", 1)[-1] if "/" in url else url
+    # file:todo.txt has no "/": its name is what follows the scheme, not the whole URL.
+    tail = url.rsplit("/", 1)[-1] if "/" in url else _SCHEME.sub("", url, count=1)
     if "://" in target.url and url.count("/") <= 2:  # scheme://host: name it after the host
         tail = url.split("://", 1)[1]
     slug = _SLUG.sub("_", tail).strip("._")[:60] or "result"
@@ -237,8 +260,83 @@ def _cause(exc: BaseException) -> str:
     return text.removeprefix("connection failed: ").strip()
 
 
-def explain_open_failure(url: str, shown_url: str, exc: BaseException) -> str:
-    """One line: which database could not be opened, why, and what to check."""
+class OpenFailure(NamedTuple):
+    """Why the store did not open: one line to show, and whether the URL is at fault."""
+
+    message: str
+    bad_url: bool
+    """The URL (its dialect, driver, port or options) is wrong: bad input, not the server."""
+
+
+def check_db_url(url: str, shown_url: str) -> str | None:
+    """What is wrong with a database URL before anything connects (one line), or ``None``.
+
+    ``shown_url`` is ``url`` with its password hidden: the only form ever printed.
+    """
+    if not _URL_SHAPE.match(url):
+        return f"--db {shown_url!r} is not a database URL ({_EXAMPLES})"
+    try:
+        u = make_url(url)
+    except sa_exc.ArgumentError:
+        return f"--db {shown_url!r} is not a database URL ({_EXAMPLES})"
+    except ValueError:  # SQLAlchemy's int() of the port
+        return f"--db {shown_url!r}: its port is not a number (1 to 65535)"
+    if u.port is not None and not 0 < u.port <= 65535:
+        return f"--db {shown_url!r}: its port {u.port} is not a port number (1 to 65535)"
+    return None
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from (the store wraps the driver's)."""
+    out: list[BaseException] = []
+    at: BaseException | None = exc
+    while at is not None and at not in out:
+        out.append(at)
+        at = at.__cause__ or at.__context__
+    return out
+
+
+def _no_such_dialect(url: str, shown_url: str) -> str:
+    """SQLAlchemy knows no dialect or no driver by the URL's name."""
+    drivername = make_url(url).drivername
+    backend, _, driver = drivername.partition("+")
+    try:
+        registry.load(backend)
+    except sa_exc.NoSuchModuleError:
+        return f"--db {shown_url!r}: no database {backend!r} is known; {_SUPPORTED}"
+    what = f"--db {shown_url!r}: no driver {driver!r} for {backend}"
+    if backend == "sqlite":
+        return f"{what}; use sqlite:///FILE"
+    if backend in _DRIVERS:
+        return f"{what}; use {_DRIVERS[backend][1]}"
+    return f"{what}; {_SUPPORTED}"
+
+
+def _driver_missing(url: str, shown_url: str, exc: ImportError) -> str:
+    """The dialect is known but its driver does not import here."""
+    u = make_url(url)
+    backend = u.get_backend_name()
+    try:
+        driver = u.get_dialect().driver  # the default one when the URL names none
+    except Exception:
+        driver = u.drivername.partition("+")[2]
+    if isinstance(exc, ModuleNotFoundError) and exc.name:
+        what = f"cannot open the database {shown_url}: its driver {exc.name!r} is not installed"
+    else:
+        what = f"cannot open the database {shown_url}: its driver does not import ({_cause(exc)})"
+    if backend not in _DRIVERS:
+        return f"{what}; {_SUPPORTED}"
+    ours, scheme, extra = _DRIVERS[backend]
+    install = f"pip install 'batch-dcache[{extra}]'"
+    if driver == ours:
+        return f"{what}; install it: {install}"
+    return f"{what}; install it, or use {scheme} ({install})"
+
+
+def explain_open_failure(url: str, shown_url: str, exc: BaseException) -> OpenFailure:
+    """One line: which database could not be opened, why, and what to check; and whether
+    the URL itself is at fault (an unknown dialect or driver, a driver not installed, an
+    option the driver refuses) rather than the server or the file it names."""
     cause = _cause(exc)
     low = cause.lower()
     try:
@@ -248,11 +346,25 @@ def explain_open_failure(url: str, shown_url: str, exc: BaseException) -> str:
         port = u.port
         database = u.database or ""
     except Exception:
-        return f"cannot open the database {shown_url}: {cause}"
+        return OpenFailure(f"cannot open the database {shown_url}: {cause}", True)
+    chain = _chain(exc)
+    if any(isinstance(e, sa_exc.NoSuchModuleError) for e in chain):
+        return OpenFailure(_no_such_dialect(url, shown_url), True)
+    missing = next((e for e in chain if isinstance(e, ImportError)), None)
+    if missing is not None:
+        return OpenFailure(_driver_missing(url, shown_url, missing), True)
+    options = "check the options after '?' in the URL" if u.query else "check the URL"
+    if not isinstance(exc, StoreError):
+        # Not a database failure (the store translates every one of those): the URL's
+        # options were refused while building the engine (?pgbouncer=maybe, a keyword
+        # PyMySQL does not take).
+        return OpenFailure(f"cannot open the database {shown_url}: {cause}; {options}", True)
+    if _BAD_CONNINFO.search(low):
+        return OpenFailure(f"cannot open the database {shown_url}: {cause}; {options}", True)
     if backend == "sqlite":
         where = Path(database).parent if database else Path()
         check = f"check that the folder {str(where) or '.'!r} exists and that you may write there"
-        return f"cannot open the SQLite database {shown_url}: {cause}; {check}"
+        return OpenFailure(f"cannot open the SQLite database {shown_url}: {cause}; {check}", False)
     name = {"postgresql": "PostgreSQL", "mysql": "MySQL/MariaDB", "mariadb": "MariaDB"}.get(
         backend, backend
     )
@@ -261,12 +373,9 @@ def explain_open_failure(url: str, shown_url: str, exc: BaseException) -> str:
         check = f"check the database name {database!r} (create it first)"
     elif "password" in low or "access denied" in low or "authentication" in low:
         check = "check the user name and password in the URL"
-    elif "no module named" in low or "can't load plugin" in low:
-        extra = "postgres" if backend == "postgresql" else "mysql"
-        check = f"install the driver: pip install 'batch-dcache[{extra}]'"
     else:
         check = (
             f"check that a {name} server is running and accepts connections on {at}, "
             "and that --db or $BATCH_DB names the right one"
         )
-    return f"cannot reach the database {shown_url}: {cause}; {check}"
+    return OpenFailure(f"cannot reach the database {shown_url}: {cause}; {check}", False)

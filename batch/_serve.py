@@ -10,8 +10,6 @@ behind your own authorization in a real app instead.
 from __future__ import annotations
 
 import argparse
-import importlib
-import os
 import signal
 import sys
 import threading
@@ -77,16 +75,6 @@ def _port(text: str) -> int:
     return value
 
 
-def _load_fetch(spec: str) -> Fetch:
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"--fetch {spec!r}: use module:callable (e.g. {DEFAULT_FETCH})")
-    fn = getattr(importlib.import_module(module_name), attr)
-    if not callable(fn):
-        raise ValueError(f"--fetch {spec!r} is not callable")
-    return fn  # type: ignore[no-any-return]
-
-
 def build_app(runner: Runner, port: int) -> Any:
     """The Flask app: the dashboard at ``/batch/``, the JSON API at ``/jobs``, metrics.
 
@@ -134,36 +122,43 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the server until interrupted (Ctrl-C or SIGTERM); return the exit status."""
-    from werkzeug.serving import make_server
+    """Run the server until interrupted (Ctrl-C or SIGTERM); return the exit status.
 
-    url = getattr(args, "db", None) or os.environ.get("BATCH_DB") or DEFAULT_DB
+    The fetch and the store are loaded and opened as the other commands do theirs: the
+    same errors, exit statuses and hidden password.
+    """
+    from . import _cli  # imported here: the command line imports this module
+
     try:
-        fetch = _load_fetch(args.fetch)
-    except (ValueError, ImportError, AttributeError) as exc:
-        say(f"cannot load the fetch function: {exc}")
-        return 2
+        from werkzeug.serving import make_server
+    except ImportError:
+        _cli._say("serve needs Flask: pip install 'batch-dcache[flask]'")
+        return _cli.EXIT_USAGE
     try:
-        db = dcache.DB.open(url)
-    except (dcache.StoreError, ValueError, ImportError) as exc:
-        say(f"cannot open the database {url!r}: {exc}")
-        return 75 if isinstance(exc, dcache.StoreUnavailableError) else 1
+        fetch: Fetch = _cli._load_fetch(args.fetch)
+    except _cli.InputError as exc:
+        _cli._say(str(exc))
+        return _cli.EXIT_USAGE
+    db = _cli._open_db(args)
+    if isinstance(db, int):
+        return db
     try:
         runner = Runner(db, fetch)
         try:
             # Bind first (port 0 picks one), then build the app for the port we got.
             server = make_server(HOST, args.port, None, threaded=True)  # type: ignore[arg-type]
         except OSError as exc:
-            say(f"cannot listen on {HOST}:{args.port}: {exc.strerror or exc}")
+            _cli._say(f"cannot listen on {HOST}:{args.port}: {exc.strerror or exc}")
             runner.close(timeout=5)
-            return 1
+            return _cli.EXIT_FAILED
         port = server.server_port
         server.app = build_app(runner, port)
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, _interrupt)
-        say(f"batch dashboard on http://{HOST}:{port}/batch/ (JSON API: /jobs)")
-        say("for a local look only, not for production; Ctrl-C stops it")
         try:
+            # Said inside the try: a Ctrl-C the moment the banner is out stops it cleanly.
+            say(f"batch dashboard on http://{HOST}:{port}/batch/ (JSON API: /jobs)")
+            say("for a local look only, not for production; Ctrl-C stops it")
             server.serve_forever()
         except KeyboardInterrupt:
             pass
@@ -171,8 +166,7 @@ def main(args: argparse.Namespace) -> int:
             server.server_close()
             runner.close(timeout=10)
     except dcache.StoreError as exc:
-        say(f"database error: {exc}")
-        return 75 if isinstance(exc, dcache.StoreUnavailableError) else 1
+        return _cli._store_failed(args, exc)
     finally:
         db.close()
-    return 0
+    return _cli.EXIT_OK

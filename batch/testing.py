@@ -4,7 +4,8 @@ Installed with the ``[testing]`` extra, this module is also a pytest plugin (ent
 ``pytest11``) with these fixtures:
 
 - ``batch_db``: an in-memory store (:meth:`dcache.DB.memory`), closed after the test;
-- ``batch_fetch``: a :class:`ScriptedFetch`, every gate opened after the test;
+- ``batch_fetch``: a :class:`ScriptedFetch`, every gate opened after the test (before
+  the runner fixtures below close: a test may end with a fetch held at a gate);
 - ``batch_clock``: a :class:`Clock` at a fixed instant;
 - ``batch_runner``: a real, threaded :class:`batch.Runner` on those three;
 - ``batch_immediate_runner``: an :class:`ImmediateRunner` on those three.
@@ -250,7 +251,8 @@ else:
 
     @pytest.fixture
     def batch_fetch() -> Iterator[ScriptedFetch]:
-        """A scripted fetch; every gate is opened after the test."""
+        """A scripted fetch; every gate is opened after the test (before the kit's runner
+        fixtures close, so a test may end with a fetch held at a gate)."""
         fetch = ScriptedFetch()
         try:
             yield fetch
@@ -270,7 +272,11 @@ else:
         with Runner(
             batch_db, batch_fetch, Config(), clock=batch_clock, monotonic=batch_clock.monotonic
         ) as runner:
-            yield runner
+            try:
+                yield runner
+            finally:
+                # Closing waits for the drains; a gate the test left closed holds one.
+                batch_fetch.release_all()
 
     @pytest.fixture
     def batch_immediate_runner(
@@ -280,4 +286,7 @@ else:
         with ImmediateRunner(
             batch_db, batch_fetch, Config(), clock=batch_clock, monotonic=batch_clock.monotonic
         ) as runner:
-            yield runner
+            try:
+                yield runner
+            finally:
+                batch_fetch.release_all()  # as batch_runner: before closing waits for drains

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import http.server
+import importlib.util
 import io
 import json
 import os
@@ -105,6 +106,15 @@ def only_job(env: dict[str, str]) -> dcache.JobRow:
 def write(path: Path, *rows: str) -> str:
     path.write_text("".join(r + "\n" for r in rows), encoding="utf-8")
     return str(path)
+
+
+def _one_line_error(done: subprocess.CompletedProcess[str]) -> str:
+    """The one ``batch: ...`` line a usage error prints on stderr (no traceback)."""
+    shown = done.stdout + done.stderr
+    assert "Traceback" not in shown, shown
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("batch: "), line
+    return line
 
 
 # -- a local HTTP server for the fetcher ------------------------------------------------------
@@ -383,6 +393,31 @@ def test_run_reads_targets_from_stdin(env: dict[str, str]) -> None:
     assert [t["url"] for t in lines(done.stdout)] == ["test://a", "test://b"]
 
 
+def test_run_from_a_closed_stdin_is_a_one_line_error(env: dict[str, str]) -> None:
+    """`batch run - <&-` (no standard input at all) is bad input, not a crash."""
+    done = subprocess.run(
+        ["sh", "-c", 'exec "$0" "$@" <&-', sys.executable, "-m", "batch", "run", "-"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "<stdin>" in _one_line_error(done)
+
+
+def test_deeply_nested_json_is_bad_input_not_a_crash(env: dict[str, str], tmp_path: Path) -> None:
+    """Valid JSON nested deeper than the parser follows: exit 2, one line naming the file
+    and the line, nothing fetched."""
+    nested = '{"a": ' * 10**5 + "1" + "}" * 10**5
+    path = write(tmp_path / "deep.txt", "test://a", f'{{"url": "test://b", "options": {nested}}}')
+    done = cli(env, "run", "--fetch", "cli_fetch:counting", path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"{path}:2: " in _one_line_error(done)
+    assert fetched(env) == []
+
+
 @pytest.mark.parametrize(
     ("rows", "message"),
     [
@@ -434,6 +469,90 @@ def test_run_refuses_a_bad_fetch_with_exit_2(
     path = write(tmp_path / "t.txt", "test://a")
     assert _cli.main(["run", *args, path]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["run", "serve"])
+@pytest.mark.parametrize(
+    ("source", "raised"),
+    [
+        ("def fetch(target):\n    return (\n", "SyntaxError"),
+        ("raise RuntimeError('broken at import')\n", "RuntimeError: broken at import"),
+        ("import no_such_dependency_xyz\n", "No module named 'no_such_dependency_xyz'"),
+    ],
+)
+def test_a_fetch_module_that_fails_to_import_is_a_one_line_error(
+    env: dict[str, str], tmp_path: Path, command: str, source: str, raised: str
+) -> None:
+    """Whatever a --fetch module raises while it is imported: exit 2, one line naming the
+    module and the exception, in `run` and `serve` alike."""
+    (tmp_path / "cli_broken_fetch.py").write_text(source)
+    targets = write(tmp_path / "t.txt", "test://a")
+    args = [targets] if command == "run" else ["--port", "0"]
+    done = cli(env, command, "--fetch", "cli_broken_fetch:fetch", *args, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    line = _one_line_error(done)
+    assert "cli_broken_fetch" in line
+    assert raised in line
+
+
+def test_serve_finds_a_fetch_module_in_the_working_directory(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """Started through the `batch` console script (whose own folder, not the working
+    directory, is first on sys.path), `serve --fetch` finds local modules as `run` does."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "cli_local_fetch.py").write_text(
+        "import batch\n\ndef fetch(target):\n    return batch.Result('local', {})\n"
+    )
+    script = tmp_path / "bin" / "batch"  # what pip writes for [project.scripts]
+    script.parent.mkdir()
+    script.write_text("import sys\nfrom batch.__main__ import main\nsys.exit(main())\n")
+    targets = write(work / "t.txt", "test://a")
+    command = [sys.executable, str(script)]
+    ran = subprocess.run(
+        [*command, "run", "--fetch", "cli_local_fetch:fetch", targets],
+        env=env,
+        cwd=work,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert lines(ran.stdout)[0]["result"]["content"] == "local"
+    proc = subprocess.Popen(
+        [*command, "serve", "--port", "0", "--fetch", "cli_local_fetch:fetch"],
+        env=env,
+        cwd=work,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        first = proc.stderr.readline()
+        assert "batch dashboard on http://127.0.0.1:" in first, first + proc.stderr.read()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("caller", ["", "x" * 300])
+def test_a_bad_caller_is_reported_as_the_caller_option(
+    env: dict[str, str], tmp_path: Path, caller: str
+) -> None:
+    """--caller's fault is not blamed on the targets file."""
+    targets = write(tmp_path / "t.txt", "test://a")
+    done = cli(env, "run", "--caller", caller, "--fetch", "cli_fetch:counting", targets)
+    assert done.returncode == 2, done.stderr
+    line = _one_line_error(done)
+    assert line.startswith("batch: --caller ")
+    assert targets not in line
+    assert fetched(env) == []
 
 
 def test_run_of_a_missing_file_exits_2(env: dict[str, str], tmp_path: Path) -> None:
@@ -704,7 +823,7 @@ def test_db_option_and_environment(
     assert _cli.main(["purge"]) == 0
     assert (tmp_path / "c.sqlite3").exists()
     assert "purged 0" in capsys.readouterr().out
-    assert _cli.main(["jobs", "--db", "nosuchdialect://x"]) == 1
+    assert _cli.main(["jobs", "--db", "nosuchdialect://x"]) == 2  # bad input
     assert _cli.main(["--help"]) == 0
 
 
@@ -805,6 +924,106 @@ def test_a_malformed_db_url_is_a_one_line_error(env: dict[str, str], url: str) -
     assert len(lines_) == 1, done.stderr
     assert lines_[0].startswith("batch: ")
     assert "Pw-secret" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql+psycopg://someone:Pw-{secret}@127.0.0.1:1/nothing",
+        "mysql+pymysql://someone:Pw-{secret}@127.0.0.1:1/nothing",
+        "postgresql+psycopg://someone@127.0.0.1:1/nothing?password=Pw-{secret}",
+    ],
+)
+def test_serve_never_prints_the_database_password(env: dict[str, str], url: str) -> None:
+    """`serve` hides the --db password as every other command does, in its message and in
+    the error it quotes (port 1 on loopback: nothing listens there)."""
+    secret = f"{os.getpid()}x{time.monotonic_ns()}"
+    done = cli(env, "serve", "--port", "0", "--db", url.format(secret=secret))
+    assert secret not in done.stdout + done.stderr
+    assert done.returncode == 75, done.stderr
+    line = _one_line_error(done)
+    assert "***" in line
+    assert "server is running and accepts connections on 127.0.0.1:1" in line
+
+
+def _missing(module: str) -> bool:
+    return importlib.util.find_spec(module) is None
+
+
+def test_a_missing_driver_names_the_extra_of_its_backend(tmp_path: Path) -> None:
+    """Without psycopg or PyMySQL installed, the hint names the extra that installs the
+    driver the URL asks for (exit 2: nothing to retry)."""
+    code = (
+        "import sys\n"
+        "sys.modules['psycopg'] = sys.modules['pymysql'] = None  # as if not installed\n"
+        "from batch._cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    for url, extra in [
+        ("postgresql+psycopg://u@127.0.0.1:1/db", "postgres"),
+        ("mysql+pymysql://u@127.0.0.1:1/db", "mysql"),
+        ("mariadb+pymysql://u@127.0.0.1:1/db", "mysql"),
+    ]:
+        done = subprocess.run(
+            [sys.executable, "-c", code, "jobs", "--db", url],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,
+            check=False,
+        )
+        assert done.returncode == 2, done.stderr
+        line = _one_line_error(done)
+        assert line.endswith(f"is not installed; install it: pip install 'batch-dcache[{extra}]'")
+
+
+@pytest.mark.parametrize("command", ["jobs", "serve"])
+@pytest.mark.parametrize(
+    ("url", "says", "never"),
+    [
+        ("notaurl", "is not a database URL", ""),
+        ("foo://u:Pw-secret@h/db", "no database 'foo'", "install"),
+        ("sqlite+nodriver:///x.sqlite3", "no driver 'nodriver' for sqlite", "folder"),
+        ("postgresql+psycopg://u:Pw-secret@127.0.0.1:notaport/db", "port", "int()"),
+        ("postgresql+psycopg://u@127.0.0.1:99999/db", "port", "server is running"),
+        ("postgresql+psycopg://u@127.0.0.1:1/db?pgbouncer=maybe", "pgbouncer", "server"),
+        ("postgresql+psycopg://u@127.0.0.1:1/db?sslmode=bogus", "sslmode", "server"),
+        ("mysql+pymysql://u@127.0.0.1:1/db?pgbouncer=true", "pgbouncer", "server"),
+        ("mysql+pymysql://u@127.0.0.1:1/db?nosuchoption=1", "nosuchoption", "server"),
+        pytest.param(
+            "postgresql+psycopg2://u@127.0.0.1:1/db",
+            "pip install 'batch-dcache[postgres]'",
+            "[mysql]",
+            marks=pytest.mark.skipif(not _missing("psycopg2"), reason="psycopg2 installed"),
+        ),
+        pytest.param(
+            "mariadb+mysqldb://u@127.0.0.1:1/db",
+            "pip install 'batch-dcache[mysql]'",
+            "[postgres]",
+            marks=pytest.mark.skipif(not _missing("MySQLdb"), reason="mysqlclient installed"),
+        ),
+        pytest.param(
+            "mssql+pyodbc://u@127.0.0.1:1/db",
+            "SQLite, PostgreSQL or MySQL/MariaDB",
+            "batch-dcache[",
+            marks=pytest.mark.skipif(not _missing("pyodbc"), reason="pyodbc installed"),
+        ),
+    ],
+)
+def test_a_bad_db_url_exits_2_with_a_hint_that_fits(
+    env: dict[str, str], command: str, url: str, says: str, never: str
+) -> None:
+    """An unknown dialect or driver, a bad port or a bad query option is bad input (exit
+    2, one line, no password), in `serve` as in the other commands; the hint names what
+    failed (the right extra for a driver not installed), not a server to go and check."""
+    args = ["--port", "0"] if command == "serve" else []
+    done = cli(env, command, *args, "--db", url)
+    assert done.returncode == 2, done.stderr
+    line = _one_line_error(done)
+    assert says in line
+    if never:
+        assert never not in line
+    assert "Pw-secret" not in line
 
 
 def test_a_utf8_bom_is_not_part_of_the_first_url(env: dict[str, str], tmp_path: Path) -> None:
@@ -966,6 +1185,25 @@ def test_run_output_writes_each_result_to_a_file_per_target(
     refused = cli(env, "run", targets, "--output", str(blocked / "sub"))
     assert refused.returncode == 2
     assert "--output" in refused.stderr
+
+
+def test_run_output_names_relative_file_urls_after_their_last_segment(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """`file:todo.txt` is written as NN-todo.txt, like any URL: never with its scheme."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "todo.txt").write_text("a")
+    (tmp_path / "sub" / "notes.txt").write_text("b")
+    targets = write(
+        tmp_path / "t.txt", "file:todo.txt", "file:sub/notes.txt", (tmp_path / "todo.txt").as_uri()
+    )
+    done = cli(env, "run", targets, "--output", "out", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "00-todo.txt",
+        "01-notes.txt",
+        "02-todo.txt",
+    ]
 
 
 def _watched_job(env: dict[str, str]) -> Iterator[tuple[batch.Runner, Any, str]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
+import time
 
 import pytest
 
@@ -137,3 +138,54 @@ def test_the_plugin_is_active_in_an_apps_test_suite(pytester: pytest.Pytester) -
     )
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
+
+
+def test_a_gate_left_closed_is_opened_before_the_runner_waits_for_its_drain(
+    pytester: pytest.Pytester,
+) -> None:
+    """A test that ends with a fetch held at a gate tears down at once, with no crash log."""
+    pytester.makepyfile(
+        """
+        import logging
+        import time
+
+        import pytest
+
+        @pytest.fixture
+        def criticals():
+            # Set up before the runner fixtures, so torn down after them: sees their close.
+            records = []
+            handler = logging.Handler(logging.CRITICAL)
+            handler.emit = records.append
+            logging.getLogger("batch").addHandler(handler)
+            yield records
+            logging.getLogger("batch").removeHandler(handler)
+            assert [r.getMessage() for r in records] == []
+
+        @pytest.fixture
+        def timed():
+            started = time.monotonic()
+            yield
+            took = time.monotonic() - started
+            assert took < 5, f"teardown waited {took:.1f} s for a gate"
+
+        @pytest.mark.parametrize("kind", ["batch_runner", "batch_immediate_runner"])
+        def test_left_held(criticals, timed, kind, request, batch_fetch):
+            runner = request.getfixturevalue(kind)
+            gate = batch_fetch.gate("https://e.org/slow")
+            if kind == "batch_runner":
+                runner.submit("u", "c", [{"url": "https://e.org/slow"}])
+            else:  # its submit drains inline: hold it on a thread of the test's own
+                import threading
+                threading.Thread(
+                    target=runner.submit, args=("u", "c", [{"url": "https://e.org/slow"}]),
+                    daemon=True,
+                ).start()
+            gate.wait_entered()
+        """
+    )
+    started = time.monotonic()
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+    took = time.monotonic() - started
+    result.assert_outcomes(passed=2)
+    assert took < 10, f"two tests took {took:.1f} s: a teardown waited for its gate"
