@@ -26,14 +26,25 @@ from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 import jinja2
-from flask import Blueprint, Request, Response, abort, redirect, request, url_for
-from werkzeug.exceptions import HTTPException
+from flask import (
+    Blueprint,
+    Request,
+    Response,
+    abort,
+    current_app,
+    redirect,
+    request,
+    send_from_directory,
+    url_for,
+)
+from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 import dcache
 from dcache import LIVE, TERMINAL, Delivery, JobRow, Status
 from dcache._admin import TargetSummary
 from dcache._rows import in_flight
 
+from ._routing import ANY, PLAIN, answer_other_methods
 from ._runner import Runner
 
 __all__ = ["CSP", "PREVIEW_BYTES", "Authorize", "dashboard"]
@@ -55,6 +66,7 @@ STATUSES = dcache.JOB_STATUSES
 _CSRF_COOKIE = "batch_dashboard_csrf"
 _MAX_ID = 64
 _HERE = Path(__file__).parent
+_STATIC = _HERE / "static" / "dashboard"
 _CANCEL_MESSAGES = {
     "ok": "Cancelled: the target in flight is stored, then the job stops.",
     "finished": "Not cancelled: the job had already finished.",
@@ -62,11 +74,44 @@ _CANCEL_MESSAGES = {
     Delivery.PENDING.value: (
         "Not resent: the notification is still pending (it will be sent anyway)."
     ),
+    "none": (
+        "Not resent: this job has no notification (none was asked for, or the job has "
+        "not ended yet)."
+    ),
 }
+_MAX_NUMBER = 10**9
+"""Where a number in the query saturates: past every page, preview size and target index."""
+_ROUTES = (
+    ("/", "jobs", "GET, HEAD"),
+    ("/static/<path:filename>", "static", "GET, HEAD"),
+    ("/jobs/<job_id>", "job", "GET, HEAD"),
+    ("/jobs/<job_id>/progress.json", "progress", "GET, HEAD"),
+    ("/jobs/<job_id>/targets/<int:idx>/result", "result", "GET, HEAD"),
+    ("/jobs/<job_id>/cancel", "cancel", "POST"),
+    ("/jobs/<job_id>/redeliver", "redeliver", "POST"),
+)
+"""The blueprint's routes and the methods each takes, as its ``Allow`` header says them."""
 
 
 def _plausible(job_id: str) -> bool:
     return 0 < len(job_id) <= _MAX_ID and job_id.isascii() and job_id.isprintable()
+
+
+def _number(name: str) -> int | None:
+    """The query parameter ``name`` as a whole number, or ``None`` when absent or unusable.
+
+    ASCII digits only: ``str.isdigit`` also takes ``²`` or ``①``, which ``int`` refuses,
+    and ``int`` alone takes signs, spaces and underscores. Bounded: a number past
+    :data:`_MAX_NUMBER` counts as that (``int`` of 4301 digits raises, and nothing here
+    counts that far), so every caller's own clamp still applies.
+    """
+    raw = request.args.get(name, "")
+    if not (raw.isascii() and raw.isdigit()):
+        return None
+    digits = raw.lstrip("0") or "0"
+    if len(digits) > len(str(_MAX_NUMBER)):
+        return _MAX_NUMBER
+    return min(int(digits), _MAX_NUMBER)
 
 
 def _size(n: int | None) -> str:
@@ -211,8 +256,16 @@ class _Dashboard:
     def error(self, exc: HTTPException) -> Response:
         status = exc.code or 500
         if request.path.endswith(".json"):
-            return _json({"error": exc.name}, status)
-        return self.render("error.html", status, title=exc.name, message=exc.description)
+            resp = _json({"error": exc.name}, status)
+        else:
+            resp = self.render("error.html", status, title=exc.name, message=exc.description)
+        # The exception's own headers stay: WWW-Authenticate on a 401 authorize raised
+        # (HTTP Basic auth), Allow on a 405. The body is ours, so its type and length are.
+        if exc.response is None:
+            for name, value in exc.get_headers():
+                if name.lower() not in ("content-type", "content-length"):
+                    resp.headers[name] = value
+        return resp
 
     def store_error(self, exc: dcache.StoreError) -> Response:
         message = "The database is unavailable; try again in a moment."
@@ -228,12 +281,8 @@ class _Dashboard:
         status = request.args.get("status", "")
         if status not in STATUSES:
             status = ""
-        caller = request.args.get("caller", "").strip()
-        try:
-            page = max(1, int(request.args.get("page", "1")))
-        except ValueError:
-            page = 1
-        page = min(page, 1_000_000)
+        caller = request.args.get("caller", "")  # verbatim: callers are stored as given
+        page = min(max(_number("page") or 1, 1), 1_000_000)
         per_caller = db.live_by_caller()
         counts = db.status_counts(caller=caller or None)
         rows = db.jobs_page(
@@ -285,10 +334,10 @@ class _Dashboard:
 
     def job(self, job_id: str) -> Response:
         job, rows = self._summary(job_id)
-        show = request.args.get("show", "")
+        show = _number("show")
         preview: tuple[int, str, int] | None = None
-        if show.isdigit():
-            preview = self._preview(job_id, int(show), PREVIEW_BYTES)
+        if show is not None and show < job.targets_total:
+            preview = self._preview(job_id, show, PREVIEW_BYTES)
         return self.render(
             "job.html",
             title=f"Job {job.id}",
@@ -335,11 +384,8 @@ class _Dashboard:
 
     def result(self, job_id: str, idx: int) -> Response:
         self._summary(job_id)  # 404 for an unknown job
-        try:
-            limit = int(request.args.get("bytes", PREVIEW_BYTES))
-        except ValueError:
-            limit = PREVIEW_BYTES
-        limit = min(max(limit, 1), MAX_PREVIEW_BYTES)
+        limit = _number("bytes")
+        limit = min(max(PREVIEW_BYTES if limit is None else limit, 1), MAX_PREVIEW_BYTES)
         found = self._preview(job_id, idx, limit)
         if found is None:
             abort(404, description="This target has no stored result.")
@@ -379,7 +425,12 @@ class _Dashboard:
                 "another site). Reload the job's page and try again.",
             )
         self._summary(job_id)  # 404 for an unknown job
-        outcome = "resent" if self.runner.redeliver(job_id) else Delivery.PENDING.value
+        if self.runner.redeliver(job_id):
+            outcome = "resent"
+        elif self.runner.notification(job_id) is None:
+            outcome = "none"
+        else:
+            outcome = Delivery.PENDING.value
         return redirect(url_for(".job", job_id=job_id, cancel=outcome), code=303)  # type: ignore[return-value]
 
     def _csrf_ok(self) -> bool:
@@ -410,6 +461,20 @@ def _unknown(rest: str) -> Response:
     abort(404, description="No such page.")
 
 
+def _static(filename: str) -> Response:
+    # The blueprint's own static route (not Blueprint(static_folder=...)), so that it too
+    # answers OPTIONS and other methods as the routes below do.
+    max_age = current_app.get_send_file_max_age(filename)
+    return send_from_directory(_STATIC, filename, max_age=max_age)
+
+
+def _method_not_allowed(allow: str) -> Callable[..., Response]:
+    def view(**_kw: Any) -> Response:
+        raise MethodNotAllowed(valid_methods=allow.split(", "))  # its Allow header stays
+
+    return view
+
+
 def _headers(resp: Response) -> Response:
     resp.headers["Content-Security-Policy"] = CSP
     resp.headers["X-Content-Type-Options"] = "nosniff"
@@ -432,7 +497,11 @@ def dashboard(
     Args:
         runner: the process's runner (its store is read; cancels go through it).
         authorize: ``authorize(request) -> bool``; only a True answer gets in (operators
-            see and may cancel every caller's jobs), anything else is 403.
+            see and may cancel every caller's jobs), anything else (False, None, a
+            truthy string) is 403. It may also raise an ``HTTPException``, answered as
+            the dashboard's page with the exception's headers (e.g. a 401 with
+            ``WWW-Authenticate`` for HTTP Basic auth), or abort with a response of its
+            own (e.g. a redirect to a login page).
         url_prefix: where the pages live.
         name: the blueprint's name.
         page_size: jobs per page of the list.
@@ -445,25 +514,32 @@ def dashboard(
     if page_size < 1:
         raise ValueError(f"page_size must be positive, not {page_size}")
     state = _Dashboard(runner, authorize, page_size)
-    bp = Blueprint(
-        name,
-        __name__,
-        url_prefix=url_prefix,
-        static_folder=str(_HERE / "static" / "dashboard"),
-        static_url_path="/static",
-    )
+    bp = Blueprint(name, __name__, url_prefix=url_prefix)
     bp.before_request(state.check)
     bp.after_request(_headers)
-    bp.add_url_rule("/", "jobs", state.jobs, methods=["GET"])
-    bp.add_url_rule("/jobs/<job_id>", "job", state.job, methods=["GET"])
-    bp.add_url_rule("/jobs/<job_id>/progress.json", "progress", state.progress, methods=["GET"])
+    bp.add_url_rule("/", "jobs", state.jobs, methods=["GET"], **PLAIN)
+    bp.add_url_rule("/static/<path:filename>", "static", _static, methods=["GET"], **PLAIN)
+    bp.add_url_rule("/jobs/<job_id>", "job", state.job, methods=["GET"], **PLAIN)
     bp.add_url_rule(
-        "/jobs/<job_id>/targets/<int:idx>/result", "result", state.result, methods=["GET"]
+        "/jobs/<job_id>/progress.json", "progress", state.progress, methods=["GET"], **PLAIN
     )
-    bp.add_url_rule("/jobs/<job_id>/cancel", "cancel", state.cancel, methods=["POST"])
-    bp.add_url_rule("/jobs/<job_id>/redeliver", "redeliver", state.redeliver, methods=["POST"])
-    # Unknown paths under the prefix get the blueprint's gate and pages, not the app's 404.
-    bp.add_url_rule("/<path:rest>", "unknown", _unknown, methods=["GET", "POST"])
+    bp.add_url_rule(
+        "/jobs/<job_id>/targets/<int:idx>/result",
+        "result",
+        state.result,
+        methods=["GET"],
+        **PLAIN,
+    )
+    bp.add_url_rule("/jobs/<job_id>/cancel", "cancel", state.cancel, methods=["POST"], **PLAIN)
+    bp.add_url_rule(
+        "/jobs/<job_id>/redeliver", "redeliver", state.redeliver, methods=["POST"], **PLAIN
+    )
+    # Routing errors (a wrong method, an unknown path) never reach a blueprint's error
+    # handlers or its before_request, so the blueprint answers them itself: through the
+    # gate, as its own pages, with its headers. And OPTIONS too, since Flask's would list
+    # these 405 rules' methods as allowed.
+    answer_other_methods(bp, _ROUTES, _method_not_allowed)
+    bp.add_url_rule("/<path:rest>", "unknown", _unknown, methods=ANY, **PLAIN)
     bp.register_error_handler(HTTPException, state.error)
     bp.register_error_handler(dcache.StoreError, state.store_error)
     return bp

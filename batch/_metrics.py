@@ -15,6 +15,7 @@ answered by any worker reports the sum over all of them.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -94,6 +95,8 @@ class RunnerMetrics:
         registry: where the instruments are registered (``None``: the default registry).
         max_caller_classes: distinct ``caller_class`` label values kept; later classes
             are counted under ``"other"`` so no app can grow the series without bound.
+            The bound holds per instance, so per process: in multiprocess mode each
+            worker keeps its own first ``max_caller_classes``.
     """
 
     def __init__(self, registry: Any = None, *, max_caller_classes: int = 50) -> None:
@@ -105,6 +108,13 @@ class RunnerMetrics:
         self._classes: set[str] = set()
         self._lock = threading.Lock()
         self._draining: set[str] = set()
+        # runner -> its live subscription. Weak both ways: a subscription (held by the
+        # runner's event bus, which may hold the runner) must not keep a closed runner
+        # alive from this process-wide object.
+        self._attached: weakref.WeakKeyDictionary[Runner, weakref.ref[_Subscription]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._attach_lock = threading.Lock()
         self._ended_first: OrderedDict[str, None] = OrderedDict()
         self.submissions = Counter(
             "batch_submissions",
@@ -175,8 +185,21 @@ class RunnerMetrics:
         return OTHER_CLASS
 
     def attach(self, runner: Runner) -> Callable[[], None]:
-        """Subscribe to ``runner``'s events; return the unsubscribe function."""
-        return runner.subscribe(self)
+        """Subscribe to ``runner``'s events; return the unsubscribe function.
+
+        Once per runner: attaching to a runner this is attached to already returns the
+        same unsubscribe function, so no event is counted twice. After it was called, a
+        later attach subscribes again.
+        """
+        with self._attach_lock:
+            ref = self._attached.get(runner)
+            found = ref() if ref is not None else None
+            if found is not None and found.active:
+                return found.detach
+            sub = _Subscription(self)
+            sub.unsubscribe = runner.subscribe(sub)
+            self._attached[runner] = weakref.ref(sub)
+            return sub.detach
 
     def __call__(self, event: Event) -> None:
         """Update the instruments for one event."""
@@ -226,6 +249,28 @@ class RunnerMetrics:
                 while len(self._ended_first) > _MAX_ENDED_FIRST:
                     self._ended_first.popitem(last=False)
             self.draining.set(len(self._draining))
+
+
+class _Subscription:
+    """One :class:`RunnerMetrics`' subscription to one runner's events."""
+
+    __slots__ = ("__weakref__", "active", "metrics", "unsubscribe")
+
+    def __init__(self, metrics: RunnerMetrics) -> None:
+        self.metrics = metrics
+        self.active = True
+        self.unsubscribe: Callable[[], None] = lambda: None
+
+    def __call__(self, event: Event) -> None:
+        self.metrics(event)
+
+    def __repr__(self) -> str:
+        return f"<batch metrics subscription of {self.metrics!r}>"
+
+    def detach(self) -> None:
+        """Unsubscribe (idempotent)."""
+        self.active = False
+        self.unsubscribe()
 
 
 _instruments: dict[int, tuple[Any, RunnerMetrics]] = {}
@@ -325,9 +370,11 @@ def metrics(
     """A blueprint serving Prometheus metrics for ``runner`` at ``path``.
 
     Subscribes the process's instruments (see ``instruments()``) to the runner's
-    events. A scrape reports them (in multiprocess mode: every worker's, from
-    ``PROMETHEUS_MULTIPROC_DIR``) and the store's gauges (``StoreCollector``).
-    Content negotiation follows prometheus_client (OpenMetrics when asked for).
+    events, once per runner and registry: mounting it again (an app factory run twice,
+    two apps in one process) counts every event once. A scrape reports them (in
+    multiprocess mode: every worker's, from ``PROMETHEUS_MULTIPROC_DIR``) and the
+    store's gauges (``StoreCollector``). Content negotiation follows prometheus_client
+    (OpenMetrics when asked for).
 
     Args:
         runner: the process's runner.
@@ -337,7 +384,10 @@ def metrics(
         registry: where the instruments live and, outside multiprocess mode, what is
             exported (``None``: prometheus_client's default registry, so the process
             and platform collectors come along).
-        authorize: ``authorize(request) -> bool``; when given, a False answers 403.
+        authorize: ``authorize(request) -> bool``, as for the dashboard: when given,
+            only a True answer gets in; anything else (False, None, a truthy string)
+            answers 403. It may also raise an ``HTTPException``, which is the answer
+            (e.g. a 401 with ``WWW-Authenticate`` for HTTP Basic auth).
 
     Raises:
         ImportError: prometheus_client is not installed (extra ``[metrics]``).
@@ -349,8 +399,8 @@ def metrics(
     bp = Blueprint(name, __name__, url_prefix=url_prefix)
 
     def view() -> Response:
-        if authorize is not None and not authorize(request):
-            abort(403)
+        if authorize is not None and authorize(request) is not True:
+            abort(403)  # only True, as the dashboard: a truthy "denied: ..." is no yes
         scrape = prometheus_client.CollectorRegistry()
         if multiprocess_mode():
             _multiprocess.MultiProcessCollector(scrape)  # type: ignore[no-untyped-call]

@@ -54,6 +54,7 @@ from ._errors import (
 )
 from ._metrics import metrics
 from ._openapi import document
+from ._routing import ANY, PLAIN, answer_other_methods
 from ._runner import RawStatus, Runner
 from ._values import MAX_KEY_LENGTH, Checked, Job
 from .fetchers import Fetcher
@@ -883,38 +884,29 @@ def _build(
         retry_after=retry_after,
         www_authenticate=www_authenticate,
     )
-    plain = {"provide_automatic_options": False}  # OPTIONS: answered below, per route
-    bp.add_url_rule("", "submit", api._post_job, methods=["POST"], **plain)
-    bp.add_url_rule("/openapi.json", "openapi", api._openapi, methods=["GET"], **plain)
-    bp.add_url_rule("/<job_id>", "job", api._get_job, methods=["GET"], **plain)
-    bp.add_url_rule("/<job_id>", "cancel", api._delete_job, methods=["DELETE"], **plain)
-    bp.add_url_rule("/<job_id>/targets/<idx>", "target", api._get_target, methods=["GET"], **plain)
+    bp.add_url_rule("", "submit", api._post_job, methods=["POST"], **PLAIN)
+    bp.add_url_rule("/openapi.json", "openapi", api._openapi, methods=["GET"], **PLAIN)
+    bp.add_url_rule("/<job_id>", "job", api._get_job, methods=["GET"], **PLAIN)
+    bp.add_url_rule("/<job_id>", "cancel", api._delete_job, methods=["DELETE"], **PLAIN)
+    bp.add_url_rule("/<job_id>/targets/<idx>", "target", api._get_target, methods=["GET"], **PLAIN)
     bp.add_url_rule(
-        "/<job_id>/targets/<idx>/content", "content", api._get_content, methods=["GET"], **plain
+        "/<job_id>/targets/<idx>/content", "content", api._get_content, methods=["GET"], **PLAIN
     )
-    # Routing errors never reach blueprint error handlers, so the blueprint answers its
-    # own wrong methods and unknown paths in the one JSON shape, leaving the app alone;
-    # and OPTIONS itself, since Flask's would list every method of a path's rules, these
-    # 405 rules' included. (A method outside _OTHER_METHODS gets werkzeug's own 405.)
-    for rule, endpoint, allow in _ROUTES:
-        others = [m for m in _OTHER_METHODS if m not in allow.split(", ")]
-        bp.add_url_rule(
-            rule, f"{endpoint}_405", _method_not_allowed(allow), methods=others, **plain
-        )
-        bp.add_url_rule(rule, f"{endpoint}_options", _options(allow), methods=["OPTIONS"], **plain)
+    # Wrong methods, OPTIONS and unknown paths in the one JSON shape (batch._routing).
+    answer_other_methods(bp, _ROUTES, _method_not_allowed)
     # "<prefix>/" (an empty job id) matches no rule above; without this it fell through
     # to the app's HTML 404.
     bp.add_url_rule(
         "/",
         "no_job_id",
         _no_job_id,
-        methods=[*_OTHER_METHODS, "OPTIONS"],
+        methods=ANY,
     )
     bp.add_url_rule(
         "/<path:rest>",
         "unknown",
         _unknown_path,
-        methods=[*_OTHER_METHODS, "OPTIONS"],
+        methods=ANY,
     )
     bp.register_error_handler(APIError, lambda exc: exc.response())
     bp.register_error_handler(dcache.StoreError, api._handle_store_error)
@@ -952,20 +944,6 @@ _ROUTES = (
     ("/<job_id>/targets/<idx>/content", "content", "GET, HEAD"),
 )
 """The API's routes and the methods each takes, as its ``Allow`` header says them."""
-
-_OTHER_METHODS = (
-    *("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "TRACE", "QUERY"),
-    *("PROPFIND", "PROPPATCH", "MKCOL", "COPY", "MOVE", "LOCK", "UNLOCK", "SEARCH"),
-)
-"""The methods a client may send to a route that does not take them (HTTP's, then
-WebDAV's): each answers the JSON 405 with the route's own ``Allow``."""
-
-
-def _options(allow: str) -> Callable[..., Response]:
-    def view(**_kw: Any) -> Response:
-        return Response(status=204, headers={"Allow": f"{allow}, OPTIONS"})
-
-    return view
 
 
 def _method_not_allowed(allow: str) -> Callable[..., Response]:

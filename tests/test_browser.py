@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _fetchers import WAIT, FakeFetch
+from _fetchers import WAIT, FakeFetch, wait_for
 from _ops import HOSTILE, OPERATOR_COOKIE, make_app, serving
 
 import batch
@@ -284,3 +284,70 @@ def test_forbidden_without_authorization(
         assert len(b.errors) == 2
     finally:
         b.close()
+
+
+_COUNT_POLLS = """
+window.__polls = 0;
+(function () {
+  var original = window.fetch;
+  window.fetch = function (url) {
+    if (String(url).indexOf("progress.json") !== -1) { window.__polls += 1; }
+    return original.apply(this, arguments);
+  };
+})();
+"""
+
+
+def _polls(page: Any) -> int:
+    return int(page.evaluate("window.__polls"))
+
+
+@pytest.mark.parametrize(
+    ("why", "status", "says"),
+    [("purged", 404, "job is gone"), ("denied", 403, "access denied")],
+)
+def test_live_view_stops_when_the_job_is_gone_or_access_ends(
+    site: tuple[batch.Runner, str],
+    browser: Browser,
+    fake: FakeFetch,
+    why: str,
+    status: int,
+    says: str,
+) -> None:
+    """A purged job (404) or an operator no longer let in (403) ends the polling: the page
+    says why instead of retrying every 5 s forever."""
+    runner, base = site
+    fake.block("https://example.com/a")
+    job_id, _ = runner.submit("ana", "free", [{"url": "https://example.com/a"}])
+    fake.wait_entered("https://example.com/a")
+    page = browser.page
+    page.add_init_script(_COUNT_POLLS)
+    # The page's timers run on a paused clock the test moves: every poll is the test's own.
+    page.clock.install(time=dt.datetime(2030, 1, 1, tzinfo=dt.timezone.utc))
+    page.clock.pause_at(dt.datetime(2030, 1, 1, 0, 0, 1, tzinfo=dt.timezone.utc))
+    with page.expect_response(lambda r: "progress.json" in r.url) as first:
+        page.goto(f"{base}/batch/jobs/{job_id}")
+    assert first.value.status == 200  # the job is live: the page keeps following it
+    if why == "purged":
+        fake.release("https://example.com/a")
+        assert runner.wait(job_id, timeout=WAIT) is not None
+        later = dcache.utcnow() + CONFIG.ttl + dt.timedelta(days=1)
+        assert runner.db.purge_expired(now=later) == 1
+    else:
+        browser.context.clear_cookies()  # the operator's session ended
+    before = _polls(page)
+
+    def polled_again() -> bool:
+        page.clock.run_for(1000)  # the next poll is due a second later
+        return _polls(page) > before
+
+    wait_for(polled_again, "the page's next poll")
+    indicator = page.locator("#live-indicator")
+    wait_for(lambda: says in indicator.inner_text(), f"the page to say {says!r}")
+    stopped = _polls(page)
+    page.clock.run_for(10 * 60 * 1000)  # ten minutes: no retry, no backoff
+    assert _polls(page) == stopped
+    assert says in indicator.inner_text()
+    # chromium reports the refused poll itself on the console; nothing else went wrong.
+    assert browser.errors and all(f"status of {status}" in e for e in browser.errors)
+    browser.errors.clear()

@@ -18,7 +18,7 @@ import pytest
 from _fetchers import WAIT, FakeFetch, wait_for
 from _ops import HOSTILE, OPERATOR_HEADER, assert_strict, audit, make_app
 from conftest import Clock
-from flask import Flask
+from flask import Flask, Request
 from flask.testing import FlaskClient
 
 import batch
@@ -492,3 +492,157 @@ def test_a_failed_notification_is_shown_and_redelivered_from_the_page(fake: Fake
         r.close(timeout=WAIT)
         store.close()
         receiver.close()
+
+
+# -- review fixes ---------------------------------------------------------------------------
+
+UNUSABLE_NUMBERS = ["²", "①", "٣", "abc", "-1", "+0", " 0", "1_0", "0x1", "1e3", ""]
+
+
+@pytest.mark.parametrize("raw", UNUSABLE_NUMBERS)
+def test_unusable_numbers_in_the_query_are_ignored(
+    client: FlaskClient, runner: batch.Runner, raw: str
+) -> None:
+    """A number is what ASCII digits spell: '²' or '①' (which isdigit() takes) is no crash."""
+    job_id, _ = runner.submit("alice", "gold", [{"url": "https://e.com/a"}])
+    _finished(runner, job_id)
+    page = client.get(f"/batch/jobs/{job_id}", query_string={"show": raw}, headers=OP)
+    assert page.status_code == 200
+    assert '<pre class="t-preview"></pre>' in page.get_data(as_text=True)  # no preview
+    listing = client.get("/batch/", query_string={"page": raw}, headers=OP)
+    assert listing.status_code == 200 and "page 1 of 1" in listing.get_data(as_text=True)
+    result = client.get(
+        f"/batch/jobs/{job_id}/targets/0/result", query_string={"bytes": raw}, headers=OP
+    )
+    assert result.status_code == 200
+    assert result.get_data(as_text=True) == "content of https://e.com/a"
+
+
+def test_numbers_in_the_query_are_clamped_not_refused(
+    client: FlaskClient, runner: batch.Runner, fake: FakeFetch
+) -> None:
+    """Leading zeros mean nothing; a number past the bounds (4301 digits too) is clamped."""
+    fake.behave("https://e.com/a", lambda t: batch.Result("x" * 100_000))
+    job_id, _ = runner.submit("alice", "gold", [{"url": "https://e.com/a"}])
+    _finished(runner, job_id)
+    shown = client.get(f"/batch/jobs/{job_id}?show=000", headers=OP).get_data(as_text=True)
+    assert "x" * PREVIEW_BYTES + "</pre>" in shown
+    far = client.get(f"/batch/jobs/{job_id}?show=" + "9" * 4301, headers=OP)
+    assert far.status_code == 200 and '<pre class="t-preview"></pre>' in far.get_data(as_text=True)
+    url = f"/batch/jobs/{job_id}/targets/0/result?bytes="
+    assert len(client.get(url + "0", headers=OP).get_data()) == 1
+    assert len(client.get(url + "0002", headers=OP).get_data()) == 2
+    assert len(client.get(url + "9" * 40, headers=OP).get_data()) == 65536
+    assert len(client.get(url + "9" * 4301, headers=OP).get_data()) == 65536
+    for many in ("9" * 40, "9" * 4301):
+        listing = client.get("/batch/?page=" + many, headers=OP)
+        assert listing.status_code == 200
+        assert "page 1000000 of 1" in listing.get_data(as_text=True)
+
+
+def test_the_caller_filter_matches_the_stored_caller_exactly(
+    client: FlaskClient, runner: batch.Runner
+) -> None:
+    """Callers are stored verbatim: ' bob ' and 'bob' are two callers, each with their own list."""
+    spaced, _ = runner.submit(" bob ", "gold", [{"url": "https://e.com/a"}])
+    plain, _ = runner.submit("bob", "gold", [{"url": "https://e.com/b"}])
+    _finished(runner, spaced)
+    _finished(runner, plain)
+    for caller, job_id in ((" bob ", spaced), ("bob", plain)):
+        html = client.get("/batch/", query_string={"caller": caller}, headers=OP).get_data(
+            as_text=True
+        )
+        assert re.findall(r'data-job-id="(\w+)"', html) == [job_id], caller
+        assert 'data-status-count="done">1<' in html
+        assert f'name="caller" value="{caller}"' in html  # the form keeps it as typed
+
+
+def test_authorize_may_answer_with_its_own_http_error(runner: batch.Runner) -> None:
+    """HTTP Basic auth works: a 401 raised by authorize keeps its WWW-Authenticate header."""
+    from werkzeug.datastructures import WWWAuthenticate
+    from werkzeug.exceptions import Unauthorized
+
+    def basic(request: Request) -> bool:
+        if request.authorization and request.authorization.password == "pw":
+            return True
+        raise Unauthorized(www_authenticate=WWWAuthenticate("basic", {"realm": "ops"}))
+
+    client = make_app(runner, basic).test_client()
+    job_id, _ = runner.submit("alice", "gold", [{"url": "https://e.com/a"}])
+    _finished(runner, job_id)
+    for path, kind in (("/batch/", "text/html"), (f"/batch/jobs/{job_id}/progress.json", "json")):
+        resp = client.get(path)
+        assert resp.status_code == 401, path
+        assert resp.headers["WWW-Authenticate"] == "Basic realm=ops"
+        assert kind in resp.content_type
+        assert resp.headers["Content-Security-Policy"] == CSP
+        assert "alice" not in resp.get_data(as_text=True)
+        assert client.get(path, auth=("op", "pw")).status_code == 200
+
+
+# (method, path under /batch/jobs/<id>, the Allow header of that path)
+KNOWN_PATHS = [
+    ("", "GET, HEAD"),
+    ("/progress.json", "GET, HEAD"),
+    ("/targets/0/result", "GET, HEAD"),
+    ("/cancel", "POST"),
+    ("/redeliver", "POST"),
+]
+
+
+def test_other_methods_get_the_dashboards_405_with_its_headers(
+    client: FlaskClient, runner: batch.Runner
+) -> None:
+    """PUT, DELETE, PATCH, WebDAV's... pass the gate and get the pages' headers and Allow."""
+    job_id, _ = runner.submit("alice", "gold", [{"url": "https://e.com/a"}])
+    _finished(runner, job_id)
+    paths = [("/batch/", "GET, HEAD"), ("/batch/static/dashboard.js", "GET, HEAD")]
+    paths += [(f"/batch/jobs/{job_id}{p}", allow) for p, allow in KNOWN_PATHS]
+    for path, allow in paths:
+        methods = {"PUT", "DELETE", "PATCH", "PROPFIND", "GET", "POST"} - set(allow.split(", "))
+        for method in sorted(methods):
+            stranger = client.open(path, method=method)
+            assert stranger.status_code == 403, (method, path)
+            assert stranger.headers["Content-Security-Policy"] == CSP
+            resp = client.open(path, method=method, headers=OP)
+            assert resp.status_code == 405, (method, path)
+            assert resp.headers["Allow"] == allow, (method, path)
+            assert resp.headers["Content-Security-Policy"] == CSP
+            assert resp.headers["X-Frame-Options"] == "DENY"
+            assert resp.headers["X-Content-Type-Options"] == "nosniff"
+            assert resp.headers["Cache-Control"] == "no-store"
+            if not path.endswith(".json"):
+                assert_strict(resp.get_data(as_text=True))  # the dashboard's own page
+        options = client.open(path, method="OPTIONS", headers=OP)
+        assert options.status_code == 204, path
+        assert options.headers["Allow"] == f"{allow}, OPTIONS"
+        assert options.headers["Content-Security-Policy"] == CSP
+        assert client.open(path, method="OPTIONS").status_code == 403
+    for method in ("PUT", "DELETE", "OPTIONS"):
+        unknown = client.open("/batch/no/such/page", method=method, headers=OP)
+        assert unknown.status_code == 404 and unknown.headers["Content-Security-Policy"] == CSP
+    job = runner.job(job_id)
+    assert job is not None and job.status == "done"
+
+
+def test_redeliver_without_a_notification_says_there_is_none(
+    client: FlaskClient, runner: batch.Runner
+) -> None:
+    """A job submitted without a webhook has nothing to resend, and the page says just that."""
+    job_id, _ = runner.submit("alice", "gold", [{"url": "https://e.com/a"}])
+    _finished(runner, job_id)
+    token = _csrf(client, job_id)
+    resp = client.post(f"/batch/jobs/{job_id}/redeliver", headers=OP, data={"csrf": token})
+    assert resp.status_code == 303
+    page = client.get(resp.headers["Location"], headers=OP).get_data(as_text=True)
+    assert "no notification" in page and "still pending" not in page
+
+
+@pytest.mark.parametrize(
+    ("answer", "status"),
+    [(True, 200), (False, 403), (None, 403), (1, 403), ("yes", 403), ("denied: no", 403)],
+)
+def test_only_a_true_answer_gets_in(runner: batch.Runner, answer: object, status: int) -> None:
+    """authorize's answer is taken literally: a truthy string or 1 is no operator's True."""
+    client = make_app(runner, lambda request: answer).test_client()  # type: ignore[arg-type,return-value]
+    assert client.get("/batch/").status_code == status

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from _fetchers import WAIT, FakeFetch, wait_for
-from flask import Flask
+from flask import Flask, Request
 from flask.testing import FlaskClient
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
@@ -360,3 +360,144 @@ def test_counts_add_up_across_gunicorn_workers(shared_url: str, tmp_path: Path) 
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
+
+
+def test_mounting_metrics_twice_counts_each_event_once(fake: FakeFetch) -> None:
+    """An app factory run twice (or two apps in one process) subscribes the runner once per
+    registry: every event is counted once, not once per mount."""
+    reg = CollectorRegistry()
+    store = dcache.DB.memory()
+    try:
+        with batch.Runner(store, fake, CONFIG) as runner:
+            clients = []
+            for _ in range(2):
+                app = Flask(__name__)
+                app.register_blueprint(metrics(runner, registry=reg))
+                clients.append(app.test_client())
+            other = CollectorRegistry()  # a second registry has its own subscription
+            other_app = Flask(__name__)
+            other_app.register_blueprint(metrics(runner, registry=other))
+            job_id, _ = runner.submit("alice", "gold", [{"url": "https://e.com/a"}])
+            assert runner.wait(job_id, timeout=WAIT) is not None
+
+            def finished(client: FlaskClient) -> float:
+                s = scrape(client)
+                return value(s, "batch_jobs_finished_total", status="done", caller_class="gold")
+
+            for client in (*clients, other_app.test_client()):
+                wait_for(lambda: finished(client) >= 1, "the finished job in the scrape")
+                s = scrape(client)
+                assert (
+                    value(s, "batch_submissions_total", outcome="created", caller_class="gold") == 1
+                )
+                assert value(s, "batch_targets_total", status="done", caller_class="gold") == 1
+                assert (
+                    value(s, "batch_jobs_finished_total", status="done", caller_class="gold") == 1
+                )
+    finally:
+        store.close()
+
+
+def test_attach_subscribes_once_per_runner_until_detached(fake: FakeFetch) -> None:
+    """attach() is idempotent per runner; after its unsubscribe, attaching again counts again."""
+    from prometheus_client import generate_latest
+
+    reg = CollectorRegistry()
+    m = RunnerMetrics(reg)
+    store = dcache.DB.memory()
+
+    def created() -> float:
+        s = parse(generate_latest(reg).decode())
+        return value(s, "batch_submissions_total", outcome="created", caller_class="gold")
+
+    try:
+        with batch.Runner(store, fake, CONFIG) as runner:
+            detach = m.attach(runner)
+            assert m.attach(runner) == detach  # the same subscription's
+            first, _ = runner.submit("alice", "gold", [{"url": "https://e.com/1"}])
+            assert runner.wait(first, timeout=WAIT) is not None
+            wait_for(lambda: created() >= 1, "the first submission counted")
+            detach()
+            detach()  # twice: harmless
+            again = m.attach(runner)
+            assert again != detach
+            second, _ = runner.submit("alice", "gold", [{"url": "https://e.com/2"}])
+            assert runner.wait(second, timeout=WAIT) is not None
+            wait_for(lambda: created() >= 2, "the second submission counted")
+            third, _ = runner.submit("alice", "gold", [{"url": "https://e.com/3"}])
+            assert runner.wait(third, timeout=WAIT) is not None
+            wait_for(lambda: created() >= 3, "the third submission counted")
+            assert created() == 3
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize(
+    ("answer", "status"),
+    [(True, 200), (False, 403), (None, 403), (1, 403), ("yes", 403), ("denied: no", 403)],
+)
+def test_metrics_and_dashboard_let_in_exactly_the_same_answers(
+    fake: FakeFetch, answer: object, status: int
+) -> None:
+    """One authorize for both: only True gets in anywhere (a truthy 'denied: ...' is no yes)."""
+    from batch._dashboard import dashboard
+
+    store = dcache.DB.memory()
+    try:
+        with batch.Runner(store, fake, CONFIG) as runner:
+            app = Flask(__name__)
+
+            def hook(request: Request) -> bool:
+                return answer  # type: ignore[return-value]  # an app's hook may answer anything
+
+            app.register_blueprint(metrics(runner, registry=CollectorRegistry(), authorize=hook))
+            app.register_blueprint(dashboard(runner, hook))
+            client = app.test_client()
+            assert client.get("/metrics").status_code == status
+            assert client.get("/batch/").status_code == status
+    finally:
+        store.close()
+
+
+def test_metrics_authorize_may_answer_with_its_own_http_error(fake: FakeFetch) -> None:
+    """HTTP Basic auth on /metrics: a 401 raised by authorize is the answer, header and all."""
+    from werkzeug.datastructures import WWWAuthenticate
+    from werkzeug.exceptions import Unauthorized
+
+    def basic(request: Request) -> bool:
+        if request.authorization and request.authorization.password == "pw":
+            return True
+        raise Unauthorized(www_authenticate=WWWAuthenticate("basic", {"realm": "metrics"}))
+
+    store = dcache.DB.memory()
+    try:
+        with batch.Runner(store, fake, CONFIG) as runner:
+            client = app_for(runner, authorize=basic)
+            resp = client.get("/metrics")
+            assert resp.status_code == 401
+            assert resp.headers["WWW-Authenticate"] == "Basic realm=metrics"
+            assert client.get("/metrics", auth=("prom", "pw")).status_code == 200
+    finally:
+        store.close()
+
+
+def test_the_process_wide_instruments_keep_no_closed_runner_alive() -> None:
+    """The once-per-runner bookkeeping is weak: a closed runner (and its store) can go."""
+    import gc
+    import weakref
+
+    from batch._metrics import instruments
+
+    reg = CollectorRegistry()
+    store = dcache.DB.memory()
+    runner = batch.Runner(store, lambda t: batch.Result("x"), CONFIG)
+    Flask(__name__).register_blueprint(metrics(runner, registry=reg))
+    job_id, _ = runner.submit("alice", "gold", [{"url": "https://e.com/a"}])
+    assert runner.wait(job_id, timeout=WAIT) is not None
+    runner.close(timeout=WAIT)
+    store.close()
+    gone = weakref.ref(runner)
+    del runner
+    gc.collect()
+    assert gone() is None
+    assert len(instruments(reg)._attached) == 0

@@ -56,6 +56,18 @@
     });
   }
 
+  // Answers that no retry can change: the job is gone (purged, or its lease lapsed), or
+  // this browser may no longer look (authorize refused it, or sent it to a login page).
+  // Polling stops and the page says why; a reload shows the server's own answer.
+  var GONE = "the job is gone (purged, or its lease lapsed); live updates stopped";
+  var DENIED = "access denied; live updates stopped";
+
+  function stopReason(resp) {
+    if (resp.status === 404) { return GONE; }
+    if (resp.status === 401 || resp.status === 403 || resp.redirected) { return DENIED; }
+    return null;
+  }
+
   function follow(url) {
     var etag = null;
     var indicator = document.getElementById("live-indicator");
@@ -64,14 +76,18 @@
     function poll() {
       var headers = { "Accept": "application/json" };
       if (etag) { headers["If-None-Match"] = etag; }
+      var stopped = null;
       fetch(url, { headers: headers, cache: "no-store", credentials: "same-origin" })
         .then(function (resp) {
           if (resp.status === 304) { return null; }
+          stopped = stopReason(resp);
+          if (stopped) { return null; }
           if (!resp.ok) { throw new Error("HTTP " + resp.status); }
           etag = resp.headers.get("ETag");
           return resp.json();
         })
         .then(function (data) {
+          if (stopped) { say(stopped); return; }
           if (data) { applyProgress(data); }
           if (data && data.job.finished) {
             document.body.setAttribute("data-finished", "1");
