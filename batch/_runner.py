@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 import logging
 import math
@@ -82,6 +83,7 @@ _R = TypeVar("_R", bound="Runner")
 _T = TypeVar("_T")
 
 _ORPHAN_BEATS = 3  # an owner is dead after this many missed heartbeats
+_FINISH_PATIENCE = 24 * 3600.0  # seconds on_finish waits for a job's end to be read
 MAX_MESSAGE_LENGTH = 8192  # a stored error or hint, in characters
 _MAX_ID = 64
 
@@ -219,7 +221,9 @@ class Runner:
             outbox, by this runner's sender thread or any other live runner's.
         on_finish: ``on_finish(job)`` once per job end this process observes (a drain
             here ending, whatever ended it), after the commit, on the event dispatcher
-            thread; best-effort (a crash loses it): the webhook is the durable path.
+            thread, with the job as the store has it (ended); if the store cannot be
+            read then, it is asked again every heartbeat. Best-effort (a crash loses
+            it): the webhook is the durable path.
 
     Building a runner registers it as a live *owner* with a heartbeat. Its maintenance
     thread watches every other owner's beat counter and fails, with error
@@ -260,6 +264,8 @@ class Runner:
         self._drains: dict[str, _Drain] = {}
         self._ending: dict[str, _Drain] = {}  # drains whose thread may still be exiting
         self._abandoned: set[str] = set()
+        self._finish_pending: dict[str, float] = {}  # job id -> since (monotonic): on_finish
+        self._finish_call: Callable[[str], None] | None = None
         self._unresolved: dict[str, _Unresolved] = {}
         self._closed = False
         self._stopping = threading.Event()
@@ -293,13 +299,55 @@ class Runner:
             self._sender.wake.set()
 
     def _finished_hook(self, on_finish: Callable[[Job], object]) -> Subscriber:
+        """The subscriber that calls ``on_finish`` with the job as the store has it.
+
+        The read may fail (the store blinked after the job's last commit), or find the job
+        still live (its drain gave up storing; maintenance ends it once the store
+        answers): then the job waits in ``_finish_pending`` and maintenance asks again,
+        each time on the event thread, until the job has ended (or a day has passed)."""
+
+        def call(job_id: str) -> None:
+            try:
+                job = self.job(job_id)
+            except StoreError:
+                job = None
+                ended = False
+            else:
+                ended = job is None or job.status not in LIVE
+            if not ended:
+                with self._lock:
+                    self._finish_pending.setdefault(job_id, time.monotonic())
+                return
+            with self._lock:
+                self._finish_pending.pop(job_id, None)
+            if job is not None:  # None: lapsed (purged) already; nothing to hand over
+                on_finish(job)
+
+        self._finish_call = call
+
         def subscriber(event: Event) -> None:
             if isinstance(event, JobFinished):
-                job = self.job(event.job_id)
-                if job is not None:
-                    on_finish(job)
+                call(event.job_id)
 
         return subscriber
+
+    def _retry_finish_hooks(self) -> None:
+        """Ask again, on the event thread, for the jobs ``on_finish`` still waits for."""
+        call = self._finish_call
+        now = time.monotonic()
+        with self._lock:
+            for job_id, since in list(self._finish_pending.items()):
+                if now - since > _FINISH_PATIENCE:
+                    del self._finish_pending[job_id]
+                    self._log.error(
+                        "on_finish of job %s given up: its end could not be read",
+                        job_id,
+                        extra={"job_id": job_id},
+                    )
+            pending = list(self._finish_pending)
+        if call is not None:
+            for job_id in pending:
+                self._events.call_soon(functools.partial(call, job_id))
 
     @property
     def config(self) -> Config:
@@ -743,18 +791,25 @@ class Runner:
         try:
             if drain.shutdown and self._db.fail_job(drain.job_id, "shutdown", now=now):
                 self._finished(drain, FAILED, "shutdown")
-            elif self._db.mark_finished(drain.job_id, now=now):
-                job = self._db.get_job(drain.job_id, now=now)
-                if job is not None:
-                    self._finished(drain, job.status, job.error)
+                return
+            # False when the job had finished already: a write whose COMMIT landed but
+            # whose reply was lost (its retry then found the target stored), a reaper.
+            # Either way the job's end is announced as the store has it.
+            self._db.mark_finished(drain.job_id, now=now)
+            job = self._db.get_job(drain.job_id, now=now)
+            if job is not None and job.status not in LIVE:
+                self._finished(drain, job.status, job.error)
         except StoreError as exc:
             self._store_failed("mark_finished", exc)
             self._log.error(
-                "could not record the end of job %s",
+                "could not record the end of job %s; retrying from the maintenance thread",
                 drain.job_id,
                 exc_info=True,
                 extra={"job_id": drain.job_id},
             )
+            # Its finished_at must still be set, or every wait() on it hangs.
+            with self._lock:
+                self._abandoned.add(drain.job_id)
 
     def _call_fetch(self, job_id: str, idx: int, target: Target) -> dict[str, Any]:
         """Run ``fetch`` once and turn whatever happens into the fields to store."""
@@ -1365,6 +1420,7 @@ class Runner:
             steps = (
                 self.check_owners,
                 self._retry_abandoned,
+                self._retry_finish_hooks,
                 self._resolve_unresolved,
                 self._purge_due,
             )

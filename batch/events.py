@@ -161,6 +161,10 @@ the dispatcher thread). Without the attribute, a subscriber receives every event
 also declare, in an ``event_when`` attribute, a function of no arguments that tells whether
 it wants any event right now (the runner's log subscriber: whether INFO is enabled); the
 bus asks it at every emit, so an event only it would take is not queued while it says no.
+It runs on the emitting thread (a drain's, a request's): it must answer at once, without
+I/O or locks that could wait (a logger's ``isEnabledFor``). One that raises counts as a
+yes (the event is queued; the error is logged once); ``event_types`` is read when the
+subscriber is added (a class or an iterable of classes; anything else is a TypeError).
 """
 
 
@@ -182,8 +186,35 @@ def only(
 _STOP = object()
 
 
-def _wants(fn: Subscriber, kind: type) -> bool:
+class _Call:
+    """A function queued to run on the dispatcher thread (:meth:`EventBus.call_soon`)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self.fn = fn
+
+
+def _event_types(fn: Subscriber) -> tuple[type, ...] | None:
+    """A subscriber's ``event_types`` as a tuple of classes (``None``: every event)."""
     types = getattr(fn, "event_types", None)
+    if types is None:
+        return None
+    found = (types,) if isinstance(types, type) else tuple(types) if _iterable(types) else None
+    if found is None or not all(isinstance(t, type) for t in found):
+        raise TypeError(f"event_types must be a class or classes, not {types!r}")
+    return found
+
+
+def _iterable(value: object) -> bool:
+    try:
+        iter(value)  # type: ignore[call-overload]
+    except TypeError:
+        return False
+    return not isinstance(value, (str, bytes))
+
+
+def _wants(types: tuple[type, ...] | None, kind: type) -> bool:
     return types is None or issubclass(kind, types)
 
 
@@ -200,10 +231,14 @@ class EventBus:
     ) -> None:
         self._log = log
         self._lock = threading.Lock()
-        self._subscribers: tuple[Subscriber, ...] = tuple(subscribers)
+        # Each subscriber with its event classes, read once when it was added.
+        self._subscribers: tuple[tuple[Subscriber, tuple[type, ...] | None], ...] = tuple(
+            (fn, _event_types(fn)) for fn in subscribers
+        )
         # event class -> (does a subscriber always want it, the `event_when` of those
-        # that want it only at times)
+        # that want it only at times); a new dict whenever the subscribers change.
         self._wanted: dict[type, tuple[bool, tuple[Callable[[], bool], ...]]] = {}
+        self._when_failed: set[int] = set()  # event_when functions whose error was logged
         self._queue: queue.Queue[object] = queue.Queue(maxsize)
         self._name = name
         self._thread: threading.Thread | None = None
@@ -214,28 +249,44 @@ class EventBus:
         """Add a subscriber; return a function that removes it again."""
         if not callable(fn):
             raise TypeError(f"a subscriber must be callable, not {type(fn).__name__}")
+        entry = (fn, _event_types(fn))
         with self._lock:
-            self._subscribers = (*self._subscribers, fn)
+            self._subscribers = (*self._subscribers, entry)
             self._wanted = {}
 
         def unsubscribe() -> None:
             with self._lock:
-                self._subscribers = tuple(s for s in self._subscribers if s is not fn)
+                self._subscribers = tuple(s for s in self._subscribers if s[0] is not fn)
                 self._wanted = {}
 
         return unsubscribe
 
     def wants(self, kind: type) -> bool:
         """Whether an event of this class would be queued (a subscriber wants it): an
-        emitter may skip building one nobody wants."""
-        wanted = self._wanted.get(kind)
+        emitter may skip building one nobody wants. Never raises."""
+        # The cache and the subscribers it is computed from are read together: a
+        # subscribe meanwhile replaces both, and this answer then lands in the old dict.
+        with self._lock:
+            cache, subscribers = self._wanted, self._subscribers
+        wanted = cache.get(kind)
         if wanted is None:
-            takers = [fn for fn in self._subscribers if _wants(fn, kind)]
+            takers = [fn for fn, types in subscribers if _wants(types, kind)]
             whens = tuple(getattr(fn, "event_when", None) for fn in takers)
             wanted = (None in whens, tuple(w for w in whens if w is not None))
-            self._wanted[kind] = wanted
+            cache[kind] = wanted
         always, at_times = wanted
-        return (always or any(when() for when in at_times)) and not self._closed
+        return (always or any(self._asks(when) for when in at_times)) and not self._closed
+
+    def _asks(self, when: Callable[[], bool]) -> bool:
+        """``when()``, or True (the event is queued) if it raises: a subscriber's error
+        never reaches the drain or the request that emits."""
+        try:
+            return bool(when())
+        except BaseException:
+            if id(when) not in self._when_failed:
+                self._when_failed.add(id(when))
+                self._log.error("event_when %r failed; taken as yes", when, exc_info=True)
+            return True
 
     def emit(self, event: Event) -> None:
         """Queue an event without blocking; drop (and count) it when the queue is full."""
@@ -243,6 +294,16 @@ class EventBus:
             return  # nobody listens to this kind: no queue, no wake-up
         try:
             self._queue.put_nowait(event)
+        except queue.Full:
+            self.dropped += 1
+
+    def call_soon(self, fn: Callable[[], object]) -> None:
+        """Run ``fn()`` on the dispatcher thread, in order with the events (dropped, and
+        counted, when the queue is full or the bus is closed)."""
+        if self._closed:
+            return
+        try:
+            self._queue.put_nowait(_Call(fn))
         except queue.Full:
             self.dropped += 1
 
@@ -261,9 +322,15 @@ class EventBus:
             event = self._queue.get()
             if event is _STOP:
                 return
+            if isinstance(event, _Call):
+                try:
+                    event.fn()
+                except BaseException:
+                    self._log.error("event-thread call %r failed", event.fn, exc_info=True)
+                continue
             kind = type(event)
-            for fn in self._subscribers:
-                if not _wants(fn, kind):
+            for fn, types in self._subscribers:
+                if not _wants(types, kind):
                     continue
                 try:
                     fn(event)  # type: ignore[arg-type]

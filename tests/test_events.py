@@ -252,6 +252,81 @@ def test_a_subscriber_that_wants_events_only_at_times_is_asked_at_every_emit() -
     assert got == [finished, finished]
 
 
+def test_an_event_when_that_raises_is_taken_as_yes_and_breaks_no_drain(
+    db: dcache.DB, fake: FakeFetch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``event_when`` runs on the drain's and the submit's threads: one that raises is
+    logged once and counts as a yes, and the job is drained to its end."""
+    rec = Recorder()
+
+    def broken_when() -> bool:
+        raise RuntimeError("predicate bug")
+
+    subscriber = events.only(events.TargetStored, events.JobSubmitted, fn=rec, when=broken_when)
+    urls = [{"url": f"https://e.com/{i}"} for i in range(4)]
+    with (
+        caplog.at_level(logging.ERROR, logger="batch"),
+        batch.Runner(db, fake, CONFIG, observers=[subscriber]) as runner,
+    ):
+        job_id, _ = runner.submit("alice", "free", urls)
+        job = runner.wait(job_id, timeout=WAIT)
+        assert job is not None and (job.status, job.targets_done) == ("done", 4)
+        wait_for(lambda: len(rec.of(events.TargetStored)) == 4, "the stored events")
+    assert caplog.text.count("taken as yes") == 1  # logged once, not at every emit
+
+
+@pytest.mark.parametrize(
+    "declared", [[events.JobFinished], {events.JobFinished}, events.JobFinished]
+)
+def test_event_types_may_be_any_collection_of_classes_or_one_class(
+    db: dcache.DB, fake: FakeFetch, declared: object
+) -> None:
+    """A list (not the documented tuple) or a lone class works; the submit that emits
+    never meets it (it raised TypeError from issubclass there)."""
+    rec = Recorder()
+    rec.event_types = declared  # type: ignore[attr-defined]
+    with batch.Runner(db, fake, CONFIG) as runner:
+        runner.subscribe(rec)
+        job_id, _ = runner.submit("alice", "free", [{"url": "https://e.com/a"}])
+        assert runner.wait(job_id, timeout=WAIT) is not None
+        wait_for(lambda: bool(rec.of(events.JobFinished)), "the finished event")
+    assert {type(e) for e in rec.events} == {events.JobFinished}
+
+
+def test_event_types_that_are_no_classes_are_refused_when_subscribing() -> None:
+    """A TypeError on the subscriber's own thread, when it subscribes, not at an emit."""
+    bus = events.EventBus([], logging.getLogger("t"), name="t")
+    for bad in ("JobFinished", [events.JobFinished, "x"], 3):
+        rec = Recorder()
+        rec.event_types = bad  # type: ignore[attr-defined]
+        with pytest.raises(TypeError, match="event_types"):
+            bus.subscribe(rec)
+
+
+def test_a_subscribe_during_wants_is_not_hidden_by_its_stale_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``wants`` computing its answer from the old subscribers while a subscribe lands
+    must not cache that answer for the new ones: the new subscriber gets its events."""
+    bus = events.EventBus(
+        [events.only(events.JobFinished, fn=lambda e: None)], logging.getLogger("t"), name="t"
+    )
+    late: list[object] = []
+    real = events._wants
+    raced = [False]
+
+    def racing(types: object, kind: type) -> bool:
+        if not raced[0]:
+            raced[0] = True
+            bus.subscribe(events.only(events.TargetStored, fn=late.append))
+        return real(types, kind)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(events, "_wants", racing)
+    assert not bus.wants(events.TargetStored)  # answered from the subscribers it read
+    monkeypatch.setattr(events, "_wants", real)
+    assert bus.wants(events.TargetStored)  # not from a cache the subscribe made stale
+
+
 def test_the_runners_log_lines_cost_no_event_while_info_is_off(
     db: dcache.DB, fake: FakeFetch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -38,6 +38,8 @@ class FlakyDB(dcache.DB):
     lose_submit_reply = 0  # submits whose reply is "lost" after their COMMIT
     refuse: frozenset[str] = frozenset()  # methods that raise StoreUnavailableError
     refuse_writes = False  # the drain's per-target writes raise
+    lose_write_replies = 0  # per-target writes whose reply is "lost" after their COMMIT
+    after_write: Any = None  # called with (job_id, idx) after each per-target write
     hold_submit_reply: threading.Event | None = None  # a slow reply: wait for it after COMMIT
     submit_committed = threading.Event()
 
@@ -61,6 +63,11 @@ class FlakyDB(dcache.DB):
             raise StoreUnavailableError("outage")
         return super().mark_finished(*args, **kw)
 
+    def get_job(self, *args: Any, **kw: Any) -> Any:
+        if "get_job" in self.refuse:
+            raise StoreUnavailableError("outage")
+        return super().get_job(*args, **kw)
+
     def writer(self) -> dcache.Writer:
         return _FlakyWriter(self)
 
@@ -73,7 +80,13 @@ class _FlakyWriter(dcache.Writer):
     def write_target(self, *args: Any, **kw: Any) -> dcache.WriteOutcome:
         if self._flaky.refuse_writes:
             raise StoreUnavailableError("outage while storing")
-        return super().write_target(*args, **kw)
+        out = super().write_target(*args, **kw)
+        if self._flaky.after_write is not None:
+            self._flaky.after_write(*args[:2])
+        if self._flaky.lose_write_replies:
+            self._flaky.lose_write_replies -= 1
+            raise StoreUnavailableError("connection lost after COMMIT (reply lost)")
+        return out
 
 
 @pytest.fixture
@@ -341,6 +354,103 @@ def test_a_cancelled_job_whose_in_flight_write_gave_up_still_gets_finished_at(
     with batch.Runner(flaky, fetch, FAST) as other:  # another process's wait() returns
         assert other.wait(job_id, timeout=WAIT) is not None
     one_fetch_each(fetch, "a")
+
+
+def test_a_cancel_seen_between_targets_whose_end_cannot_be_recorded_is_finished_later(
+    flaky: FlakyDB, fetch: FakeFetch
+) -> None:
+    """A cancel the drain notices between two targets ends it without a write; if that
+    mark_finished fails, maintenance records the end later (wait() hung for ever)."""
+    with batch.Runner(flaky, fetch, FAST) as runner:
+        job_id = ""
+
+        def cancel_after_first(written: str, idx: int) -> None:
+            if idx == 0:
+                flaky.after_write = None
+                flaky.refuse = frozenset({"mark_finished"})
+                assert runner.cancel(written)
+
+        flaky.after_write = cancel_after_first
+        job_id, _ = runner.submit("alice", "free", urls("a", "b", "c"))
+        wait_for(lambda: flaky.refuse == frozenset({"mark_finished"}), "the cancel")
+        wait_for(lambda: not runner._drains, "the drain to stop")
+        flaky.refuse = frozenset()  # the store answers again
+        wait_for(
+            lambda: (runner.job(job_id) or batch.Job("", "", "", 0, 0)).finished_at is not None,
+            "the maintenance thread to record the job's end",
+        )
+        job = runner.job(job_id)
+        assert job is not None
+        assert (job.status, job.targets_done) == ("cancelled", 1)
+    with batch.Runner(flaky, fetch, FAST) as other:  # another process's wait() returns
+        assert other.wait(job_id, timeout=WAIT) is not None
+    one_fetch_each(fetch, "a")
+
+
+def test_a_last_write_whose_reply_is_lost_is_announced_as_the_store_has_it(
+    flaky: FlakyDB, fetch: FakeFetch
+) -> None:
+    """The COMMIT of the job's last target landed but its reply was lost: the retry finds
+    the target stored. The job is done, and JobFinished and on_finish say so (the event
+    said failed, 'store unavailable')."""
+    ended: list[batch.events.Event] = []
+    handed: list[batch.Job] = []
+    flaky.lose_write_replies = 1
+    with batch.Runner(
+        flaky,
+        fetch,
+        FAST,
+        observers=[batch.events.only(batch.events.JobFinished, fn=ended.append)],
+        on_finish=handed.append,
+    ) as runner:
+        job_id, _ = runner.submit("alice", "free", urls("a"))
+        job = runner.wait(job_id, timeout=WAIT)
+        assert job is not None and job.status == "done"
+        wait_for(lambda: bool(ended) and bool(handed), "the job's end to be announced")
+    assert [(e.status, e.error) for e in ended] == [("done", "")]  # type: ignore[union-attr]
+    assert [j.status for j in handed] == ["done"]
+    one_fetch_each(fetch, "a")
+
+
+def test_on_finish_is_called_once_the_store_answers_again(flaky: FlakyDB, fetch: FakeFetch) -> None:
+    """on_finish reads the job after its last commit; if the store blinks right then, it
+    is asked again every heartbeat instead of being lost."""
+    handed: list[batch.Job] = []
+    fetch.block("https://example.com/a")
+    with batch.Runner(flaky, fetch, FAST, on_finish=handed.append) as runner:
+        job_id, _ = runner.submit("alice", "free", urls("a"))
+        fetch.wait_entered("https://example.com/a")
+        flaky.refuse = frozenset({"get_job"})
+        fetch.release("https://example.com/a")
+        assert runner.wait(job_id, timeout=WAIT) is not None  # answered from the write
+        time.sleep(0.3)  # several heartbeats with the store refusing the read
+        assert handed == []
+        flaky.refuse = frozenset()
+        wait_for(lambda: bool(handed), "on_finish once the store answers")
+        time.sleep(0.2)
+    assert [(j.id, j.status) for j in handed] == [(job_id, "done")]
+
+
+def test_on_finish_of_a_job_whose_drain_gave_up_gets_the_job_as_it_ended(
+    flaky: FlakyDB, fetch: FakeFetch
+) -> None:
+    """The drain gave up storing (its job still running in the store); maintenance fails
+    the job, and on_finish gets it failed, once, not running."""
+    handed: list[batch.Job] = []
+    config = batch.Config(
+        heartbeat=dt.timedelta(seconds=0.05), write_retry=dt.timedelta(seconds=0.2)
+    )
+    flaky.refuse_writes = True
+    flaky.refuse = frozenset({"fail_job"})
+    with batch.Runner(flaky, fetch, config, on_finish=handed.append) as runner:
+        job_id, _ = runner.submit("alice", "free", urls("a"))
+        wait_for(lambda: not runner._drains, "the drain to give up")
+        time.sleep(0.3)
+        assert handed == []  # the job is still running in the store: not its end yet
+        flaky.refuse = frozenset()
+        wait_for(lambda: bool(handed), "on_finish once maintenance ended the job")
+        time.sleep(0.2)
+    assert [(j.status, j.error) for j in handed] == [("failed", "store unavailable")]
 
 
 # -- fault 7: deep meta ---------------------------------------------------------------------
