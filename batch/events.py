@@ -214,6 +214,10 @@ def _iterable(value: object) -> bool:
     return not isinstance(value, (str, bytes))
 
 
+_Entry = tuple[Subscriber, "tuple[type, ...] | None"]
+_Wanted = dict[type, tuple[bool, tuple[Callable[[], bool], ...]]]
+
+
 def _wants(types: tuple[type, ...] | None, kind: type) -> bool:
     return types is None or issubclass(kind, types)
 
@@ -231,13 +235,14 @@ class EventBus:
     ) -> None:
         self._log = log
         self._lock = threading.Lock()
-        # Each subscriber with its event classes, read once when it was added.
-        self._subscribers: tuple[tuple[Subscriber, tuple[type, ...] | None], ...] = tuple(
-            (fn, _event_types(fn)) for fn in subscribers
+        # (event class -> (does a subscriber always want it, the `event_when` of those
+        # that want it only at times), each subscriber with its event classes, read once
+        # when it was added): replaced whole when the subscribers change, so an emitter
+        # reads the cache and the subscribers it is computed from in one step, no lock.
+        self._view: tuple[_Wanted, tuple[_Entry, ...]] = (
+            {},
+            tuple((fn, _event_types(fn)) for fn in subscribers),
         )
-        # event class -> (does a subscriber always want it, the `event_when` of those
-        # that want it only at times); a new dict whenever the subscribers change.
-        self._wanted: dict[type, tuple[bool, tuple[Callable[[], bool], ...]]] = {}
         self._when_failed: set[int] = set()  # event_when functions whose error was logged
         self._queue: queue.Queue[object] = queue.Queue(maxsize)
         self._name = name
@@ -251,13 +256,11 @@ class EventBus:
             raise TypeError(f"a subscriber must be callable, not {type(fn).__name__}")
         entry = (fn, _event_types(fn))
         with self._lock:
-            self._subscribers = (*self._subscribers, entry)
-            self._wanted = {}
+            self._view = ({}, (*self._view[1], entry))
 
         def unsubscribe() -> None:
             with self._lock:
-                self._subscribers = tuple(s for s in self._subscribers if s[0] is not fn)
-                self._wanted = {}
+                self._view = ({}, tuple(s for s in self._view[1] if s[0] is not fn))
 
         return unsubscribe
 
@@ -266,8 +269,7 @@ class EventBus:
         emitter may skip building one nobody wants. Never raises."""
         # The cache and the subscribers it is computed from are read together: a
         # subscribe meanwhile replaces both, and this answer then lands in the old dict.
-        with self._lock:
-            cache, subscribers = self._wanted, self._subscribers
+        cache, subscribers = self._view
         wanted = cache.get(kind)
         if wanted is None:
             takers = [fn for fn, types in subscribers if _wants(types, kind)]
@@ -329,7 +331,7 @@ class EventBus:
                     self._log.error("event-thread call %r failed", event.fn, exc_info=True)
                 continue
             kind = type(event)
-            for fn, types in self._subscribers:
+            for fn, types in self._view[1]:
                 if not _wants(types, kind):
                     continue
                 try:
