@@ -306,7 +306,11 @@ class Runner:
         answers): then the job waits in ``_finish_pending`` and maintenance asks again,
         each time on the event thread, until the job has ended (or a day has passed)."""
 
-        def call(job_id: str) -> None:
+        def call(job_id: str, retry: bool = False) -> None:
+            if retry:
+                with self._lock:
+                    if job_id not in self._finish_pending:
+                        return  # an earlier retry, queued before this one, handed it over
             try:
                 job = self.job(job_id)
             except StoreError:
@@ -323,7 +327,7 @@ class Runner:
             if job is not None:  # None: lapsed (purged) already; nothing to hand over
                 on_finish(job)
 
-        self._finish_call = call
+        self._finish_call = functools.partial(call, retry=True)
 
         def subscriber(event: Event) -> None:
             if isinstance(event, JobFinished):

@@ -425,7 +425,13 @@ def test_on_finish_is_called_once_the_store_answers_again(flaky: FlakyDB, fetch:
         assert runner.wait(job_id, timeout=WAIT) is not None  # answered from the write
         time.sleep(0.3)  # several heartbeats with the store refusing the read
         assert handed == []
+        # The event thread held up (a slow subscriber) while the store comes back: the
+        # retries of several heartbeats queue up behind it, and only one hands it over.
+        gate = threading.Event()
+        runner._events.call_soon(lambda: gate.wait(WAIT))
+        time.sleep(0.3)
         flaky.refuse = frozenset()
+        gate.set()
         wait_for(lambda: bool(handed), "on_finish once the store answers")
         time.sleep(0.2)
     assert [(j.id, j.status) for j in handed] == [(job_id, "done")]
