@@ -300,8 +300,8 @@ class EventBus:
             self.dropped += 1
 
     def call_soon(self, fn: Callable[[], object]) -> None:
-        """Run ``fn()`` on the dispatcher thread, in order with the events (dropped, and
-        counted, when the queue is full or the bus is closed)."""
+        """Run ``fn()`` on the dispatcher thread, in order with the events (dropped once
+        the bus is closed; dropped and counted, as an event, when the queue is full)."""
         if self._closed:
             return
         try:
