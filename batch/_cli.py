@@ -184,10 +184,10 @@ def _load_fetch(spec: str) -> Fetch:
     except ImportError as exc:
         raise InputError(f"--fetch {spec!r}: cannot import {module_name}: {exc}") from None
     except Exception as exc:  # the module itself is broken: a SyntaxError, a raise
-        cause = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        said = str(exc).strip().splitlines()
         raise InputError(
             f"--fetch {spec!r}: cannot import {module_name}: {type(exc).__name__}"
-            + (f": {cause}" if cause else "")
+            + (f": {said[0]}" if said else "")
         ) from None
     for part in attr.split("."):
         try:

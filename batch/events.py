@@ -200,18 +200,13 @@ def _event_types(fn: Subscriber) -> tuple[type, ...] | None:
     types = getattr(fn, "event_types", None)
     if types is None:
         return None
-    found = (types,) if isinstance(types, type) else tuple(types) if _iterable(types) else None
-    if found is None or not all(isinstance(t, type) for t in found):
+    try:
+        found = (types,) if isinstance(types, type) else tuple(types)
+    except TypeError:  # not iterable
+        found = (types,)
+    if not all(isinstance(t, type) for t in found):
         raise TypeError(f"event_types must be a class or classes, not {types!r}")
     return found
-
-
-def _iterable(value: object) -> bool:
-    try:
-        iter(value)  # type: ignore[call-overload]
-    except TypeError:
-        return False
-    return not isinstance(value, (str, bytes))
 
 
 _Entry = tuple[Subscriber, "tuple[type, ...] | None"]

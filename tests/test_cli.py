@@ -50,12 +50,19 @@ def env(tmp_path: Path) -> dict[str, str]:
     return out
 
 
+BATCH = [sys.executable, "-m", "batch"]
+
+
 def cli(
-    env: dict[str, str], *args: str, stdin: str | None = None, cwd: Path | None = None
+    env: dict[str, str] | None,
+    *args: str,
+    stdin: str | None = None,
+    cwd: Path | None = None,
+    program: list[str] = BATCH,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m batch ARGS`` to the end."""
+    """Run ``python -m batch ARGS`` (or ``program ARGS``) to the end."""
     return subprocess.run(
-        [sys.executable, "-m", "batch", *args],
+        [*program, *args],
         env=env,
         input=stdin,
         capture_output=True,
@@ -66,9 +73,11 @@ def cli(
     )
 
 
-def spawn(env: dict[str, str], *args: str, **kw: Any) -> subprocess.Popen[str]:
+def spawn(
+    env: dict[str, str], *args: str, program: list[str] = BATCH, **kw: Any
+) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "batch", *args],
+        [*program, *args],
         env=env,
         stdin=subprocess.DEVNULL,
         stdout=kw.pop("stdout", subprocess.PIPE),
@@ -395,14 +404,7 @@ def test_run_reads_targets_from_stdin(env: dict[str, str]) -> None:
 
 def test_run_from_a_closed_stdin_is_a_one_line_error(env: dict[str, str]) -> None:
     """`batch run - <&-` (no standard input at all) is bad input, not a crash."""
-    done = subprocess.run(
-        ["sh", "-c", 'exec "$0" "$@" <&-', sys.executable, "-m", "batch", "run", "-"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = cli(env, "run", "-", program=["sh", "-c", 'exec "$0" "$@" <&-', *BATCH])
     assert done.returncode == 2, done.stderr
     assert "<stdin>" in _one_line_error(done)
 
@@ -510,25 +512,15 @@ def test_serve_finds_a_fetch_module_in_the_working_directory(
     script.write_text("import sys\nfrom batch.__main__ import main\nsys.exit(main())\n")
     targets = write(work / "t.txt", "test://a")
     command = [sys.executable, str(script)]
-    ran = subprocess.run(
-        [*command, "run", "--fetch", "cli_local_fetch:fetch", targets],
-        env=env,
-        cwd=work,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    ran = cli(env, "run", "--fetch", "cli_local_fetch:fetch", targets, cwd=work, program=command)
     assert ran.returncode == 0, ran.stderr
     assert lines(ran.stdout)[0]["result"]["content"] == "local"
-    proc = subprocess.Popen(
-        [*command, "serve", "--port", "0", "--fetch", "cli_local_fetch:fetch"],
-        env=env,
+    proc = spawn(
+        env,
+        *("serve", "--port", "0", "--fetch", "cli_local_fetch:fetch"),
+        program=command,
         cwd=work,
-        stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
     )
     try:
         assert proc.stderr is not None
@@ -964,14 +956,7 @@ def test_a_missing_driver_names_the_extra_of_its_backend(tmp_path: Path) -> None
         ("mysql+pymysql://u@127.0.0.1:1/db", "mysql"),
         ("mariadb+pymysql://u@127.0.0.1:1/db", "mysql"),
     ]:
-        done = subprocess.run(
-            [sys.executable, "-c", code, "jobs", "--db", url],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd=tmp_path,
-            check=False,
-        )
+        done = cli(None, "jobs", "--db", url, cwd=tmp_path, program=[sys.executable, "-c", code])
         assert done.returncode == 2, done.stderr
         line = _one_line_error(done)
         assert line.endswith(f"is not installed; install it: pip install 'batch-dcache[{extra}]'")

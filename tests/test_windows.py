@@ -115,6 +115,19 @@ def urls(*names: str) -> list[dict[str, str]]:
     return [{"url": f"https://example.com/{n}"} for n in names]
 
 
+def recorded_later(runner: batch.Runner, job_id: str) -> batch.Job:
+    """The job once the maintenance thread has recorded its end (finished_at set)."""
+
+    def recorded() -> bool:
+        job = runner.job(job_id)
+        return job is not None and job.finished_at is not None
+
+    wait_for(recorded, "the maintenance thread to record the job's end")
+    job = runner.job(job_id)
+    assert job is not None
+    return job
+
+
 def one_fetch_each(fetch: FakeFetch, *names: str) -> None:
     assert sorted(fetch.calls) == sorted(f"https://example.com/{n}" for n in names)
 
@@ -344,13 +357,7 @@ def test_a_cancelled_job_whose_in_flight_write_gave_up_still_gets_finished_at(
         assert drained is not None
         assert drained.finished_at is None  # ... but could not record it yet
         flaky.refuse = frozenset()  # the store answers again
-        wait_for(
-            lambda: (runner.job(job_id) or drained).finished_at is not None,
-            "the maintenance thread to record the job's end",
-        )
-        job = runner.job(job_id)
-        assert job is not None
-        assert job.status == "cancelled"
+        assert recorded_later(runner, job_id).status == "cancelled"
     with batch.Runner(flaky, fetch, FAST) as other:  # another process's wait() returns
         assert other.wait(job_id, timeout=WAIT) is not None
     one_fetch_each(fetch, "a")
@@ -362,7 +369,6 @@ def test_a_cancel_seen_between_targets_whose_end_cannot_be_recorded_is_finished_
     """A cancel the drain notices between two targets ends it without a write; if that
     mark_finished fails, maintenance records the end later (wait() hung for ever)."""
     with batch.Runner(flaky, fetch, FAST) as runner:
-        job_id = ""
 
         def cancel_after_first(written: str, idx: int) -> None:
             if idx == 0:
@@ -375,12 +381,7 @@ def test_a_cancel_seen_between_targets_whose_end_cannot_be_recorded_is_finished_
         wait_for(lambda: flaky.refuse == frozenset({"mark_finished"}), "the cancel")
         wait_for(lambda: not runner._drains, "the drain to stop")
         flaky.refuse = frozenset()  # the store answers again
-        wait_for(
-            lambda: (runner.job(job_id) or batch.Job("", "", "", 0, 0)).finished_at is not None,
-            "the maintenance thread to record the job's end",
-        )
-        job = runner.job(job_id)
-        assert job is not None
+        job = recorded_later(runner, job_id)
         assert (job.status, job.targets_done) == ("cancelled", 1)
     with batch.Runner(flaky, fetch, FAST) as other:  # another process's wait() returns
         assert other.wait(job_id, timeout=WAIT) is not None
