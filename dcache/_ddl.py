@@ -110,10 +110,18 @@ class SchemaSetup:
         """
         inspector = sa_inspect(conn)
         names = [t.name for t in metadata.sorted_tables]
-        if set(names) <= set(inspector.get_table_names()):
+        existing = set(inspector.get_table_names())
+        # The version first: a newer schema is refused before any change to it (on
+        # MySQL/MariaDB each DDL statement commits at once, whatever fails after it).
+        found = _read_version(conn) if meta.name in existing else None
+        if found is not None and found > SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"database schema version {found} is newer than this dcache's "
+                f"{SCHEMA_VERSION}: upgrade the library"
+            )
+        if set(names) <= existing:
             # Indexes are added by the migration to this version, which records it last.
-            found = conn.execute(select(meta.c.value).where(meta.c.key == "schema_version"))
-            migrated = found.scalar() == str(SCHEMA_VERSION)
+            migrated = found == SCHEMA_VERSION
         else:
             metadata.create_all(conn)  # checkfirst: only the missing ones
             inspector = sa_inspect(conn)  # a fresh cache: it has seen no tables yet
@@ -145,14 +153,14 @@ class SchemaSetup:
 
     @staticmethod
     def _init_meta(conn: Connection) -> None:
-        found = conn.execute(select(meta.c.value).where(meta.c.key == "schema_version")).scalar()
+        found = _read_version(conn)
         if found is None:
             conn.execute(insert(meta).values(key="schema_version", value=str(SCHEMA_VERSION)))
-        elif int(found) < SCHEMA_VERSION:  # _migrate brought the tables up to date
+        elif found < SCHEMA_VERSION:  # _tables brought the tables up to date
             conn.execute(
                 update(meta).where(meta.c.key == "schema_version").values(value=str(SCHEMA_VERSION))
             )
-        elif int(found) > SCHEMA_VERSION:
+        elif found > SCHEMA_VERSION:  # a creator that raced ours recorded a newer one
             raise SchemaVersionError(
                 f"database schema version {found} is newer than this dcache's "
                 f"{SCHEMA_VERSION}: upgrade the library"
@@ -165,5 +173,19 @@ class SchemaSetup:
     def schema_version(self) -> int:
         """The schema version recorded in the database."""
         with self._read() as conn:
-            v = conn.execute(select(meta.c.value).where(meta.c.key == "schema_version")).scalar()
-        return int(v) if v is not None else 0
+            found = _read_version(conn)
+        return 0 if found is None else found
+
+
+def _read_version(conn: Connection) -> int | None:
+    """The version the database records, or None; a value that is not one is refused."""
+    value = conn.execute(select(meta.c.value).where(meta.c.key == "schema_version")).scalar()
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise SchemaVersionError(
+            f"database schema version {value!r} is not a version number: "
+            "this database was not made by dcache, or was edited by hand"
+        ) from None

@@ -171,6 +171,52 @@ def test_a_newer_schema_version_is_refused(db: DB) -> None:
     assert db.schema_version() == dcache.SCHEMA_VERSION
 
 
+def test_a_newer_schema_is_refused_before_any_change_to_it(db: DB) -> None:
+    """The version is read first: an old library adds nothing (MySQL's DDL would commit)
+    to a newer schema that lacks an index it knows, and says to upgrade the library."""
+    index = next(i for i in jobs.indexes if i.name == "ix_batch_job_created")
+    with db.engine.begin() as conn:
+        index.drop(conn)
+    sql(db, "UPDATE dcache_meta SET value = '99' WHERE value = :v", v=str(dcache.SCHEMA_VERSION))
+    try:
+        with pytest.raises(dcache.SchemaVersionError, match="upgrade the library"):
+            DB(db.engine)
+        with db.engine.connect() as conn:
+            found = {i["name"] for i in sa_inspect(conn).get_indexes("batch_job")}
+        assert "ix_batch_job_created" not in found
+    finally:
+        sql(
+            db, "UPDATE dcache_meta SET value = :v WHERE value = '99'", v=str(dcache.SCHEMA_VERSION)
+        )
+        with db.engine.begin() as conn:
+            index.create(conn)
+
+
+@pytest.mark.parametrize("garbage", ["3.1", "three", ""])
+def test_a_schema_version_that_is_not_a_number_is_a_schema_version_error(
+    db: DB, garbage: str
+) -> None:
+    """Not a bare ValueError from int(): a StoreError that names the value."""
+    sql(
+        db,
+        "UPDATE dcache_meta SET value = :g WHERE value = :v",
+        g=garbage,
+        v=str(dcache.SCHEMA_VERSION),
+    )
+    try:
+        with pytest.raises(dcache.SchemaVersionError, match=repr(garbage)):
+            DB(db.engine)
+        with pytest.raises(dcache.SchemaVersionError, match=repr(garbage)):
+            db.schema_version()
+    finally:
+        sql(
+            db,
+            "UPDATE dcache_meta SET value = :v WHERE value = :g",
+            v=str(dcache.SCHEMA_VERSION),
+            g=garbage,
+        )
+
+
 # -- submit --------------------------------------------------------------------------------
 
 
