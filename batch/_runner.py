@@ -269,7 +269,7 @@ class Runner:
         self._unresolved: dict[str, _Unresolved] = {}
         self._closed = False
         self._stopping = threading.Event()
-        self._next_purge = time.monotonic() + self._config.purge_interval.total_seconds()
+        self._next_purge = self._mono() + self._config.purge_interval.total_seconds()
         self._stale_after = self._config.heartbeat * _ORPHAN_BEATS
         # Owner liveness as this runner observed it: owner -> (token, monotonic when the
         # token was first seen). Used by the maintenance thread only.
@@ -1445,7 +1445,7 @@ class Runner:
         Runs on the maintenance thread: a busy store pays for it there, never in a
         submit, and one beat deletes at most ``4 x 500`` jobs (the rest wait a beat).
         """
-        mono = time.monotonic()
+        mono = self._mono()
         if mono < self._next_purge:
             return
         self._next_purge = mono + self._config.purge_interval.total_seconds()

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, and_, delete, insert, or_, select, update
+from sqlalchemy import Connection, and_, delete, insert, not_, or_, select, update
 
 from ._errors import wrap_errors
 from ._rows import OwnerRow
@@ -155,6 +155,13 @@ class Upkeep:
         has passed too. Each job is a compare-and-set, so one that finished
         meanwhile is never touched. Cancelled jobs of stale owners are marked finished.
         Stale owner rows are removed after their jobs, in the same transaction.
+
+        This compares the ``heartbeat_at`` each owner wrote on its own wall clock with
+        ``now`` on the caller's: it is safe only where one clock writes and judges (one
+        host whose clock does not step). A wall-clock step, or another host's clock
+        ahead of the owner's, fails a live owner's jobs. :class:`batch.Runner` judges by
+        observation on its monotonic clock instead: :meth:`owners`, then
+        :meth:`reap_owners`.
         """
         now = aware_now(now)
         cutoff = now - stale_after
@@ -192,7 +199,9 @@ class Upkeep:
         max_batches: int = 100,
         tombstone_ttl: dt.timedelta | None = None,
     ) -> int:
-        """Delete jobs whose lease lapsed (never live ones) with their targets.
+        """Delete jobs whose lease lapsed with their targets: never a live one, nor a
+        cancelled one whose drain has not ended (:meth:`mark_finished`; a fetch may
+        outlast the lease, and its target is still to be stored).
 
         Each deleted job leaves a tombstone (its id, caller and expiry), so :meth:`lookup`
         can tell "expired" from "unknown" for ``tombstone_ttl`` after the lease lapsed (by
@@ -200,12 +209,18 @@ class Upkeep:
         Works in batches of ``limit`` jobs, each its own short transaction, so live
         writers are never blocked for long.
         Returns how many jobs were deleted.
+
+        Raises:
+            ValueError: ``limit`` or ``max_batches`` is not an ``int`` of 1 or more.
         """
+        for name, bound in (("limit", limit), ("max_batches", max_batches)):
+            if isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
+                raise ValueError(f"{name} must be an int of 1 or more, not {bound!r}")
         now = aware_now(now)
         keep = self.tombstone_ttl if tombstone_ttl is None else tombstone_ttl
         self._forget_tombstones(now - keep, limit, max_batches)
         gone = 0
-        lapsed = and_(jobs.c.expires_at <= now, jobs.c.status.not_in(LIVE))
+        lapsed = and_(jobs.c.expires_at <= now, not_(_UNFINISHED))
         # Oldest lease first, by the expiry index: a range that ends at ``now`` and stops
         # at ``limit`` rows, however many jobs the table holds (ordered by id, the same
         # query walked the whole primary key on SQLite and sorted a scan on PostgreSQL).

@@ -1840,6 +1840,7 @@ def test_purge_deletes_only_lapsed_jobs_that_are_not_live(db: DB) -> None:
     for caller in ("a", "b", "c"):
         job = created(db, caller=caller, n=2)
         assert db.cancel(job.id, now=T0)
+        assert db.mark_finished(job.id, now=T0)  # its drain has ended
         lapsed.append(job)
     done = created(db, caller="d", n=1)
     db.write_target(done.id, 0, status="done", result="x" * 1000, ttl=TTL, now=T0)
@@ -1858,6 +1859,38 @@ def test_purge_deletes_only_lapsed_jobs_that_are_not_live(db: DB) -> None:
     assert job_of(db, kept.id, now=later).status == "cancelled"
     assert target_count(db, kept.id) == 2
     assert db.purge_expired(now=later, limit=1) == 0
+
+
+def test_purge_keeps_a_cancelled_job_until_its_drain_has_ended(db: DB) -> None:
+    """A fetch may outlast the TTL: the cancelled job stays, lapsed or not, until its
+    drain stores the in-flight target (which ends it); then a full TTL more."""
+    job = created(db, n=2)
+    assert db.cancel(job.id, now=T0)
+    later = T0 + 3 * TTL
+    assert db.purge_expired(now=later) == 0
+    out = db.write_target(job.id, 0, status="done", result="late", ttl=TTL, now=later)
+    assert out.stored and out.finished
+    assert db.purge_expired(now=later + TTL - dt.timedelta(microseconds=1)) == 0
+    found = db.get_job_with_targets(job.id, now=later)
+    assert found is not None
+    assert found[0].status == "cancelled" and found[1][0].result == "late"
+    assert db.purge_expired(now=later + TTL) == 1
+    assert db.lookup(job.id, now=later + TTL).state == "expired"
+
+
+@pytest.mark.parametrize(
+    "bad", [{"limit": -1}, {"limit": 0}, {"limit": 2.5}, {"max_batches": 0}, {"limit": True}]
+)
+def test_purge_bounds_that_are_not_positive_ints_are_value_errors(
+    db: DB, bad: dict[str, Any]
+) -> None:
+    """``limit=-1`` purged everything in one transaction on SQLite and was a driver
+    error on the servers; 2.5 purged two."""
+    for caller in "abc":
+        assert db.fail_job(created(db, caller=caller).id, "x", now=T0)
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        db.purge_expired(now=T0 + TTL, **bad)
+    assert sql(db, "SELECT count(*) FROM batch_job")[0][0] == 3
 
 
 def tombstone_count(db: DB) -> int:

@@ -105,6 +105,30 @@ def test_the_clock_moves_leases_and_heartbeat_judgements_without_sleeping(
         batch_clock.advance(-1)
 
 
+def test_the_clock_moves_the_maintenance_threads_purges_too(
+    batch_db: dcache.DB, batch_fetch: ScriptedFetch, batch_clock: Clock
+) -> None:
+    """Purges are due by the injected monotonic clock: advancing it past the purge
+    interval deletes a lapsed job within a few real beats (it waited ten real minutes)."""
+    config = batch.Config(
+        ttl=dt.timedelta(hours=1),
+        heartbeat=dt.timedelta(seconds=0.02),
+        purge_interval=dt.timedelta(minutes=10),
+    )
+    with batch.Runner(
+        batch_db, batch_fetch, config, clock=batch_clock, monotonic=batch_clock.monotonic
+    ) as runner:
+        job_id, _ = runner.submit("alice", "free", [{"url": A}])
+        assert runner.wait(job_id, timeout=10) is not None
+        done_at = batch_clock()
+        batch_clock.advance(hours=2)
+        deadline = time.monotonic() + 10
+        while batch_db.get_job(job_id, now=done_at) is not None:  # still stored
+            assert time.monotonic() < deadline, "the lapsed job was never purged"
+            threading.Event().wait(0.02)
+        assert runner.lookup(job_id) == "expired"
+
+
 def test_scripted_fetch_delays_raises_and_gates(batch_runner: batch.Runner) -> None:
     """Each scripted behaviour shows in the stored outcome, in order."""
     fetch = batch_runner.fetch
