@@ -17,7 +17,7 @@ from ._errors import wrap_errors
 from ._outbox import queue_notification
 from ._rows import WriteOutcome
 from ._schema import CANCELLED, LIVE, Status, jobs
-from ._shared import aware_now, findable
+from ._shared import aware_now, check_storable, findable
 from ._writer import GroupWriter
 
 
@@ -61,9 +61,18 @@ class JobChanges:
         the job's row as its commit left it (``WriteOutcome.job``), from the same
         statements: a drain asks on its last target, so that whoever waits for the job
         needs no read of it.
+
+        Raises:
+            ValueError: ``status`` is not ``done``/``failed``, or ``result``, ``error`` or
+                ``hint`` holds a NUL or a lone surrogate (no backend would store it alike).
+            ResultTooLargeError: the result does not fit in one row on this backend.
         """
         if status not in (Status.DONE, Status.FAILED):
             raise ValueError(f"a target is written done or failed, not {status!r}")
+        if result is not None:
+            check_storable("result", result)
+        check_storable("error", error)
+        check_storable("hint", hint)
         self._check_size(result, error, hint, job_id)
         return self._group.write(
             job_id,

@@ -39,6 +39,18 @@ def findable(*keys: object) -> bool:
     return True
 
 
+def check_storable(what: str, value: str) -> None:
+    """Refuse text that some backend cannot store: a NUL (PostgreSQL's text cannot hold
+    one) or a lone surrogate (not UTF-8). Refused on every backend alike."""
+    if "\x00" in value:
+        raise ValueError(f"{what} must not contain NUL characters")
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{what} is not UTF-8 text (it holds a lone surrogate)") from None
+
+
 def utf8_size(text: str) -> int:
     """A text's size in UTF-8 bytes (its length when it is ASCII, without encoding it)."""
     return len(text) if text.isascii() else len(text.encode("utf-8"))

@@ -600,6 +600,24 @@ def test_write_target_rejects_a_status_other_than_done_or_failed(db: DB) -> None
         db.write_target(job.id, 0, status="pending", ttl=TTL, now=T0)
 
 
+@pytest.mark.parametrize("field", ["result", "error", "hint"])
+@pytest.mark.parametrize("bad", ["a\x00b", "a\ud800b"], ids=["nul", "lone-surrogate"])
+def test_a_value_some_backend_cannot_store_is_refused_before_the_write(
+    db: DB, field: str, bad: str
+) -> None:
+    """A NUL (PostgreSQL text cannot hold it) or a lone surrogate (not UTF-8) is this
+    write's own ValueError, raised before it joins a batch: in one it failed, or
+    mis-answered, the other drains' writes committed with it."""
+    job = created(db, n=2)
+    values = {"result": "ok", "error": "", "hint": "", field: bad}
+    with pytest.raises(ValueError, match=field):
+        db.write_target(job.id, 0, status="failed", ttl=TTL, now=T0, **values)
+    assert db.write_target(job.id, 1, status="done", result="fine", ttl=TTL, now=T0).stored
+    found = db.get_job_with_targets(job.id, now=T0)
+    assert found is not None
+    assert [t.status for t in found[1]] == ["pending", "done"]
+
+
 def test_every_write_moves_the_lease_to_now_plus_ttl(db: DB, clock: Any) -> None:
     """Rule 5: a job being drained stays readable a full TTL after its latest write."""
     job = created(db, n=3, now=clock.now)
@@ -844,6 +862,7 @@ def _check_read_result(db: DB) -> None:
         db.read_result(job.id, 0, 0, -1)
     assert db.purge_expired(now=T0 + dt.timedelta(days=30)) == 0  # live: kept
     assert db.cancel(job.id, now=T0)
+    assert db.mark_finished(job.id, now=T0)  # its drain has ended
     assert db.purge_expired(now=T0 + TTL + dt.timedelta(days=30)) == 1
     assert db.read_result(job.id, 0, 0, 10) is None  # purged
 
