@@ -627,21 +627,27 @@ job = db.submit(job_id="j", caller="c", caller_class="x", idem_key="k",
                 targets=[dcache.NewTarget(url=f"https://example.com/{i}") for i in range(4)],
                 ttl=ttl, jobs_per_caller=9, jobs_total=9).job.id
 real = _writer.GroupWriter._commit_held
-started = threading.Event()
-def slow(self, batch):  # the first batch takes a while (a slow disk)
-    started.set(); time.sleep(0.5); return real(self, batch)
+started, handled = threading.Event(), threading.Event()
+def slow(self, batch):  # the first batch lasts until the follower's interrupt was handled
+    started.set(); handled.wait(60); return real(self, batch)
 _writer.GroupWriter._commit_held = slow
 leader = threading.Thread(target=db.write_target, args=(job, 0),
                           kwargs=dict(status="done", ttl=ttl))
 leader.start()
 started.wait()
 main = threading.main_thread().ident
-threading.Timer(0.2, lambda: signal.pthread_kill(main, signal.SIGINT)).start()
+def interrupt():  # once the main thread's write waits in the queue, not before
+    deadline = time.monotonic() + 60
+    while not db._group._queued and time.monotonic() < deadline:
+        time.sleep(0.005)
+    signal.pthread_kill(main, signal.SIGINT)
+threading.Thread(target=interrupt).start()
 try:
     db.write_target(job, 1, status="done", ttl=ttl)  # queued behind the leader's batch
     print("not interrupted")
 except KeyboardInterrupt:
     print("interrupted")
+handled.set()
 leader.join()
 _writer.GroupWriter._commit_held = real
 later = threading.Thread(target=db.write_target, args=(job, 2),
