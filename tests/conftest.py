@@ -11,6 +11,8 @@ import contextlib
 import datetime as dt
 import multiprocessing
 import os
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -323,3 +325,20 @@ def wait_queued(store: dcache.DB, n: int) -> None:
     while len(group._queued) < n and time.monotonic() < deadline:
         time.sleep(0.01)
     assert len(group._queued) == n
+
+
+def interrupt_and_wait(proc: subprocess.Popen[str], timeout: float) -> int:
+    """SIGINT a child and wait for its exit status; if it does not exit in time, fail
+    with every thread's stack, which faulthandler prints on SIGABRT (start the child
+    with ``PYTHONFAULTHANDLER=1`` and stderr piped)."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        try:
+            _, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        pytest.fail(f"the child did not exit {timeout} s after SIGINT; its threads:\n{err}")

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 from _netjail import netjail, netjail_check  # noqa: F401
-from conftest import SERVER_URLS, wipe
+from conftest import SERVER_URLS, interrupt_and_wait, wipe
 
 import batch
 import dcache
@@ -516,7 +516,7 @@ def test_serve_finds_a_fetch_module_in_the_working_directory(
     assert ran.returncode == 0, ran.stderr
     assert lines(ran.stdout)[0]["result"]["content"] == "local"
     proc = spawn(
-        env,
+        {**env, "PYTHONFAULTHANDLER": "1"},
         *("serve", "--port", "0", "--fetch", "cli_local_fetch:fetch"),
         program=command,
         cwd=work,
@@ -526,8 +526,7 @@ def test_serve_finds_a_fetch_module_in_the_working_directory(
         assert proc.stderr is not None
         first = proc.stderr.readline()
         assert "batch dashboard on http://127.0.0.1:" in first, first + proc.stderr.read()
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0
+        assert interrupt_and_wait(proc, 30) == 0
     finally:
         proc.kill()
         proc.wait(timeout=30)

@@ -6,7 +6,6 @@ import datetime as dt
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import urllib.error
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 from _fetchers import WAIT, FakeFetch, wait_for
 from _ops import HOSTILE, OPERATOR_HEADER, assert_strict, audit, make_app
-from conftest import Clock
+from conftest import Clock, interrupt_and_wait
 from flask import Flask, Request
 from flask.testing import FlaskClient
 
@@ -417,7 +416,7 @@ def test_serve_answers_on_loopback_and_refuses_other_hosts(tmp_path: Path) -> No
         stderr=subprocess.PIPE,
         text=True,
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1"},
     )
     try:
         assert proc.stderr is not None
@@ -449,9 +448,8 @@ def test_serve_answers_on_loopback_and_refuses_other_hosts(tmp_path: Path) -> No
             urllib.request.urlopen(rebinding, timeout=WAIT)
         assert err.value.code == 403
     finally:
-        proc.send_signal(signal.SIGINT)
         try:
-            assert proc.wait(WAIT) == 0
+            assert interrupt_and_wait(proc, WAIT) == 0
         finally:
             if proc.poll() is None:
                 proc.kill()
