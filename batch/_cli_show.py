@@ -190,8 +190,8 @@ def job_lines(job: Job, targets: Sequence[TargetStatus], width: int | None) -> l
         f"caller {job.caller} ({job.caller_class}); created {when(job.created_at)}; "
         f"finished {when(job.finished_at)}; expires {when(job.expires_at)}",
     ]
-    if width is not None:
-        head = [fit(h, width) for h in head]
+    # Escaped piped too: the caller and the job's error are stored text like any other.
+    head = [_printable(h) if width is None else fit(h, width) for h in head]
     return [*head, *target_rows(targets, width)]
 
 

@@ -1483,6 +1483,22 @@ def test_tables_show_stored_text_inert_and_within_the_width() -> None:
     assert "\\x1b]0;owned\\x07" in wide
     assert "boom\\x1b[2J second line" in wide
     assert _cli_show.fit("\u5b57" * 10, 7) == "\u5b57" * 3 + "…"
+    job = batch.Job(
+        id="j1",
+        status="failed",
+        error="restart\x1b[2J",
+        targets_total=1,
+        targets_done=1,
+        finished_at=None,
+        caller="ev\x1b]0;pwned\x07il",
+        caller_class="x\x9b31m",
+    )
+    for width in (None, 40, 200):  # piped (None) as on a terminal
+        lines = _cli_show.job_lines(job, [hostile], width)
+        assert all(not any(c in line for c in "\x1b\x07\x9b\n") for line in lines), lines
+    head = _cli_show.job_lines(job, [], None)
+    assert "caller ev\\x1b]0;pwned\\x07il (x\\x9b31m)" in head[1]
+    assert "(restart\\x1b[2J)" in head[0]
 
 
 def test_the_cli_runs_without_the_optional_extras(tmp_path: Path) -> None:
