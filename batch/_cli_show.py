@@ -369,7 +369,9 @@ def explain_open_failure(url: str, shown_url: str, exc: BaseException) -> OpenFa
         backend, backend
     )
     at = f"{host}:{port}" if port else host
-    if "does not exist" in low or "unknown database" in low:
+    if re.search(r'role "[^"]*" does not exist|no such user', low):
+        check = "check the user name and password in the URL"
+    elif "does not exist" in low or "unknown database" in low or "no such database" in low:
         check = f"check the database name {database!r} (create it first)"
     elif "password" in low or "access denied" in low or "authentication" in low:
         check = "check the user name and password in the URL"

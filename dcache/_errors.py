@@ -10,6 +10,7 @@ talks to the driver directly (the held cursor of the hot paths, pool events).
 from __future__ import annotations
 
 import functools
+import re
 import sqlite3
 import sys
 from collections.abc import Callable
@@ -91,6 +92,27 @@ def is_driver_error(exc: BaseException) -> bool:
     return isinstance(exc, _driver_errors())
 
 
+# A PostgreSQL server (or PgBouncer) that answered and refused the login for good: libpq
+# reports it without a SQLSTATE, like a lost connection, but no retry will get in.
+_PG_LOGIN_REFUSED = re.compile(
+    r"fatal:.*(does not exist|password authentication failed|no pg_hba\.conf entry"
+    r"|permission denied for database|is not permitted to log in|no such (database|user))",
+    re.IGNORECASE | re.DOTALL,
+)
+
+
+def _is_login_refused(exc: BaseException) -> bool:
+    """Whether a raw DBAPI error is a server's final "no" to this login (PostgreSQL's
+    are told by their text; MySQL's carry codes that are not transient anyway)."""
+    psycopg = sys.modules.get("psycopg")
+    return (
+        psycopg is not None
+        and isinstance(exc, psycopg.OperationalError)
+        and getattr(exc, "sqlstate", None) is None
+        and _PG_LOGIN_REFUSED.search(str(exc)) is not None
+    )
+
+
 def _is_raw_disconnect(exc: BaseException) -> bool:
     """Whether a raw DBAPI error says the connection is gone (as the dialects judge it)."""
     psycopg = sys.modules.get("psycopg")
@@ -135,6 +157,8 @@ def is_transient(exc: BaseException) -> bool:
     """
     if isinstance(exc, sa_exc.DBAPIError):
         orig: BaseException | None = exc.orig
+        if orig is not None and _is_login_refused(orig):
+            return False
         if exc.connection_invalidated or (orig is not None and _is_raw_disconnect(orig)):
             return True
         decided = None if orig is None else _is_transient_dbapi(orig)
@@ -142,6 +166,8 @@ def is_transient(exc: BaseException) -> bool:
             return decided
         return isinstance(exc, sa_exc.OperationalError)
     if is_driver_error(exc):
+        if _is_login_refused(exc):
+            return False
         if _is_raw_disconnect(exc):
             return True
         decided = _is_transient_dbapi(exc)

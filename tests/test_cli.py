@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 from _netjail import netjail, netjail_check  # noqa: F401
 from conftest import SERVER_URLS, interrupt_and_wait, wipe
+from sqlalchemy.engine import make_url
 
 import batch
 import dcache
@@ -1403,8 +1404,21 @@ def test_a_missing_database_on_a_live_server_says_to_create_it(
     query = "?" + rest.split("?", 1)[1] if "?" in rest else ""
     url = f"{scheme_host}/no_such_db_for_batch_cli{query}"
     done = cli(env, "jobs", "--db", url)
-    assert done.returncode != 0
+    # 1, not 75 ("retry later"): a retry will not create the database.
+    assert done.returncode == 1, done.stderr
     assert "check the database name 'no_such_db_for_batch_cli' (create it first)" in done.stderr
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "mariadb"], indirect=True)
+def test_an_unknown_user_is_a_failure_that_says_to_check_the_user(
+    env: dict[str, str], backend: str
+) -> None:
+    """Refused at login: exit 1 with advice about the user, not about the database name."""
+    url = make_url(SERVER_URLS[backend]).set(username="no_such_user_for_batch_cli")
+    done = cli(env, "jobs", "--db", url.render_as_string(hide_password=False))
+    assert done.returncode == 1, done.stderr
+    assert "check the user name and password in the URL" in done.stderr
+    assert "create it first" not in done.stderr
 
 
 def test_completion_scripts_are_generated_and_valid(tmp_path: Path) -> None:
