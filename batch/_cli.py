@@ -18,9 +18,9 @@ database password never appears in anything printed.
 from __future__ import annotations
 
 import argparse
+import codecs
 import datetime as dt
 import importlib
-import io
 import json
 import os
 import re
@@ -150,25 +150,36 @@ def _read_file(path: str) -> Checked:
         buffer = getattr(sys.stdin, "buffer", None)
         if buffer is None:
             raise InputError("<stdin>: standard input is closed; give a FILE instead of -")
-        # utf-8-sig: a byte-order mark (Windows editors write one) is not part of a URL.
-        stdin = io.TextIOWrapper(buffer, encoding="utf-8-sig", errors="strict")
         try:
-            rows = stdin.readlines()
-        except UnicodeDecodeError as exc:
-            raise InputError(f"<stdin>: not UTF-8 text: {exc}") from None
+            data = buffer.read()
         except OSError as exc:
             raise InputError(f"<stdin>: cannot read: {exc.strerror or exc}") from None
-        return read_targets(rows, "<stdin>")
+        return read_targets(_text_lines(data, "<stdin>"), "<stdin>")
     try:
-        with open(path, encoding="utf-8-sig") as fh:
-            lines = fh.readlines()
+        with open(path, "rb") as fh:
+            data = fh.read()
     except FileNotFoundError:
         raise InputError(f"{path}: no such file") from None
-    except UnicodeDecodeError as exc:
-        raise InputError(f"{path}: not UTF-8 text: {exc}") from None
     except OSError as exc:
         raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    return read_targets(lines, path)
+    return read_targets(_text_lines(data, path), path)
+
+
+def _text_lines(data: bytes, source: str) -> list[str]:
+    """The lines of a targets file as text mode reads them (``\\n``, ``\\r\\n`` or ``\\r``
+    ends one); a byte that is not UTF-8 is an error naming its line and column."""
+    # A byte-order mark (Windows editors write one) is not part of a URL.
+    data = data.removeprefix(codecs.BOM_UTF8)
+    lines = []
+    for lineno, raw in enumerate(data.splitlines(), 1):
+        try:
+            lines.append(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise InputError(
+                f"{source}:{lineno}: not UTF-8 text: byte 0x{raw[exc.start]:02x} "
+                f"at column {exc.start + 1}"
+            ) from None
+    return lines
 
 
 def _load_fetch(spec: str) -> Fetch:

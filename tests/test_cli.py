@@ -1032,6 +1032,35 @@ def test_a_utf8_bom_is_not_part_of_the_first_url(env: dict[str, str], tmp_path: 
     assert [t["url"] for t in lines(piped.stdout)] == ["test://c"]
 
 
+@pytest.mark.parametrize("ending", [b"\n", b"\r\n", b"\r"])
+def test_a_byte_that_is_not_utf8_is_reported_at_its_line(ending: bytes) -> None:
+    """Like bad JSON, a bad byte names its line (and column), whatever ends the lines."""
+    data = ending.join([b"\xef\xbb\xbftest://a", b"# note", b"test://b\xffc", b""])
+    with pytest.raises(_cli.InputError) as err:
+        _cli._text_lines(data, "t.txt")
+    assert str(err.value) == "t.txt:3: not UTF-8 text: byte 0xff at column 9"
+    assert _cli._text_lines(ending.join([b"\xef\xbb\xbfa", b"", "é".encode()]), "t") == [
+        "a",
+        "",
+        "é",
+    ]
+
+
+def test_a_file_or_stdin_that_is_not_utf8_exits_2_naming_the_line(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    path = tmp_path / "latin1.txt"
+    path.write_bytes(b"test://a\ntest://caf\xe9\n")
+    done = cli(env, "run", str(path))
+    assert done.returncode == 2
+    assert f"{path}:2: not UTF-8 text: byte 0xe9 at column 11" in done.stderr
+    piped = subprocess.run(
+        [*BATCH, "run", "-"], env=env, input=b"\xfftest://a\n", capture_output=True
+    )
+    assert piped.returncode == 2
+    assert b"<stdin>:1: not UTF-8 text: byte 0xff at column 1" in piped.stderr
+
+
 # -- made for people: tables on a terminal, --output, --watch, errors, completion, help -------
 
 
