@@ -32,6 +32,8 @@ class JobChanges:
 
         def _write(self) -> AbstractContextManager[Connection]: ...
 
+        def _check_open(self) -> None: ...
+
     @wrap_errors
     def write_target(
         self,
@@ -74,6 +76,7 @@ class JobChanges:
         check_storable("error", error)
         check_storable("hint", hint)
         self._check_size(result, error, hint, job_id)
+        self._check_open()
         return self._group.write(
             job_id,
             idx,

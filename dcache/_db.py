@@ -507,6 +507,7 @@ class DB(
         """A write transaction of the store's: on SQLite, on the group writer's connection
         between its batches (see ``GroupWriter.transaction``); on the servers, whose locks
         are row locks, on the pool's."""
+        self._check_open()
         if self.dialect == "sqlite":
             with self._group.transaction() as conn:
                 yield conn
@@ -516,8 +517,15 @@ class DB(
 
     @contextlib.contextmanager
     def _read(self) -> Iterator[Connection]:
+        self._check_open()
         with self._engine.begin() as conn:
             yield conn
+
+    def _check_open(self) -> None:
+        """Refuse any use after :meth:`close`: a disposed engine would open connections
+        again (a drain that outlived its runner's close, say) that nothing closes."""
+        if self._closed:
+            raise StoreError(f"this store was closed: {self!r}")
 
     def _one_statement(self) -> Connection:
         """A pooled connection for a read of ONE statement (its own consistent snapshot).
@@ -527,6 +535,7 @@ class DB(
         and resets autocommit locally). PyMySQL would send a SET for each, so the others
         keep their transaction (SQLite's BEGIN costs no round trip).
         """
+        self._check_open()
         conn = self._engine.connect()
         if self.dialect == "postgresql":
             conn.execution_options(isolation_level="AUTOCOMMIT")
@@ -535,6 +544,7 @@ class DB(
     @contextlib.contextmanager
     def _control(self) -> Iterator[Connection]:
         """A write transaction on the control pool (heartbeat and reaping)."""
+        self._check_open()
         with self._wctl.begin() as conn:
             yield conn
 
@@ -550,6 +560,7 @@ class DB(
 
     def _write_connection(self) -> Connection:
         """A connection for the group-commit writer, which keeps it across batches."""
+        self._check_open()
         return self._wwriter.connect()
 
     @staticmethod

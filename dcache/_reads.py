@@ -244,6 +244,8 @@ class WebReads:
 
         def _one_statement(self) -> Connection: ...
 
+        def _check_open(self) -> None: ...
+
         @staticmethod
         def _cancel(conn: Connection, job_id: str, ttl: dt.timedelta, now: dt.datetime) -> bool: ...
 
@@ -258,6 +260,7 @@ class WebReads:
         """``fetch`` after a read of one prepared statement: on the pooled driver
         connection when nobody watches statements (:func:`driver_read`; PostgreSQL in
         autocommit), else through SQLAlchemy on :meth:`DB._one_statement`."""
+        self._check_open()
         if watched(self._engine):
             with self._one_statement() as conn:
                 return fetch(conn.exec_driver_sql(read.sql, read.params(values)))

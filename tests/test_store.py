@@ -2265,6 +2265,34 @@ def test_the_store_is_a_context_manager_and_close_is_idempotent(tmp_path: Path) 
     db.close()
 
 
+def test_a_closed_store_refuses_every_use_and_opens_no_connection(
+    backend: str, tmp_path: Path
+) -> None:
+    """A drain that outlived ``close()`` (a hung fetch) wrote through a fresh connection
+    that nothing would ever close; every method now says the store is closed."""
+    db = open_backend(backend, tmp_path)
+    job = created(db, n=2)
+    db.close()
+    refused: list[Any] = [
+        lambda: db.write_target(job.id, 0, status="done", result="x", ttl=TTL, now=T0),
+        lambda: db.get_job(job.id, now=T0),
+        lambda: db.get_job_with_targets(job.id, now=T0),
+        lambda: db.poll_job(job.id, now=T0),
+        lambda: db.cancel(job.id, now=T0),
+        lambda: db.heartbeat("someone", now=T0),
+        lambda: db.owners(),
+        lambda: submit(db, caller="bob"),
+        lambda: db.purge_expired(now=T0),
+    ]
+    for call in refused:
+        with pytest.raises(dcache.StoreError, match="closed"):
+            call()
+    pool = db.engine.pool
+    assert getattr(pool, "checkedin", lambda: 0)() == 0
+    assert getattr(pool, "checkedout", lambda: 0)() == 0
+    db.close()  # still idempotent
+
+
 # -- query plans ---------------------------------------------------------------------------
 
 
