@@ -632,7 +632,11 @@ class Runner:
             settled = job_id not in self._unresolved  # close() or maintenance ended it
             closed = self._closed
             if not (closed or settled):
+                # Resolved as it is registered: the drain may end (and leave _drains)
+                # before _launch returns, and a reused submit adopting the job then must
+                # find it settled, not start it again.
                 self._drains[job_id] = drain
+                entry = self._unresolved.pop(job_id)
         if closed:
             # close() raced this submit: the job exists but will not be drained here.
             if not settled:
@@ -648,9 +652,12 @@ class Runner:
             # "can't start new thread": the maintenance thread tries again, then ends it.
             with self._lock:
                 self._drains.pop(job_id, None)
+                closed = self._closed
+                if not closed:
+                    self._unresolved[job_id] = entry
+            if closed:  # no maintenance thread will try again: end it here
+                self._end_unstarted(job_id, "shutdown")
             raise
-        with self._lock:
-            self._unresolved.pop(job_id, None)
 
     def _launch(self, drain: _Drain) -> None:
         """Start the drain's thread (``batch.testing.ImmediateRunner`` drains inline)."""

@@ -930,6 +930,53 @@ def test_identical_submits_racing_from_16_threads_make_one_job(
     assert fake.calls == [A, B]
 
 
+def test_a_reused_submit_never_starts_a_second_drain_of_a_job_that_just_ended(
+    db: dcache.DB, clock: Clock, fake: FakeFetch
+) -> None:
+    """The first submit's drain starts, runs and ends before that submit marks its job
+    resolved; an identical submit that got the job back while it still ran adopts it
+    only then. It found the job unresolved and drained it again: target 0 fetched twice,
+    two JobFinished. Both moments are held open here, not left to thread switches."""
+    adopting, ended = threading.Event(), threading.Event()
+    second: list[Any] = []
+
+    class Paused(Runner):
+        def _adopt(self, row: Any) -> None:
+            if threading.current_thread().name == "second":
+                adopting.set()
+                assert ended.wait(WAIT)  # the first drain has ended meanwhile
+            super()._adopt(row)
+
+        def _launch(self, drain: Any) -> None:
+            if threading.current_thread().name == "second":
+                return super()._launch(drain)
+            worker = threading.Thread(
+                target=lambda: second.append(self.submit("alice", "web", [{"url": A}])),
+                name="second",
+            )
+            worker.start()
+            assert adopting.wait(WAIT)  # its submit got the running job back
+            super()._launch(drain)
+            assert drain.thread is not None
+            drain.thread.join(WAIT)  # the first drain ran to the end
+            ended.set()
+            worker.join(WAIT)
+
+    finishes: list[Any] = []
+    runner = Paused(db, fake, clock=clock)
+    ended_events = batch.events.JobFinished
+    runner.subscribe(lambda e: finishes.append(e) if isinstance(e, ended_events) else None)
+    try:
+        job_id, reused = runner.submit("alice", "web", [{"url": A}])
+        assert not reused and second == [(job_id, True)]
+        finished(runner, job_id)
+        threading.Event().wait(0.2)  # a second drain, were one started, would fetch by now
+        assert fake.calls == [A]
+        assert [e.job_id for e in finishes] == [job_id]
+    finally:
+        runner.close(timeout=WAIT)
+
+
 def test_racing_submits_never_exceed_jobs_total(make_runner: MakeRunner, fake: FakeFetch) -> None:
     """The global cap holds under a race: the database lock decides, not luck."""
     runner = make_runner(Config(jobs_total=3))
