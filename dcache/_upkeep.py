@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, and_, delete, insert, not_, or_, select, update
+from sqlalchemy import Connection, and_, delete, exists, insert, not_, or_, select, update
 
 from ._errors import wrap_errors
 from ._rows import OwnerRow
@@ -200,8 +200,9 @@ class Upkeep:
         tombstone_ttl: dt.timedelta | None = None,
     ) -> int:
         """Delete jobs whose lease lapsed with their targets: never a live one, nor a
-        cancelled one whose drain has not ended (:meth:`mark_finished`; a fetch may
-        outlast the lease, and its target is still to be stored).
+        cancelled one whose drain has not ended while its owner is registered (a fetch
+        may outlast the lease, and its target is still to be stored; an owner that
+        stopped or was reaped has no drain left).
 
         Each deleted job leaves a tombstone (its id, caller and expiry), so :meth:`lookup`
         can tell "expired" from "unknown" for ``tombstone_ttl`` after the lease lapsed (by
@@ -220,7 +221,14 @@ class Upkeep:
         keep = self.tombstone_ttl if tombstone_ttl is None else tombstone_ttl
         self._forget_tombstones(now - keep, limit, max_batches)
         gone = 0
-        lapsed = and_(jobs.c.expires_at <= now, not_(_UNFINISHED))
+        # A cancelled job's drain may still be fetching (past the lease, even): its
+        # owner's row says so. An owner gone (stopped cleanly, or reaped) left no drain.
+        drained = and_(
+            jobs.c.status == CANCELLED,
+            jobs.c.finished_at.is_(None),
+            exists().where(owners.c.owner == jobs.c.owner),
+        )
+        lapsed = and_(jobs.c.expires_at <= now, jobs.c.status.not_in(LIVE), not_(drained))
         # Oldest lease first, by the expiry index: a range that ends at ``now`` and stops
         # at ``limit`` rows, however many jobs the table holds (ordered by id, the same
         # query walked the whole primary key on SQLite and sorted a scan on PostgreSQL).

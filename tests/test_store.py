@@ -1881,12 +1881,17 @@ def test_purge_deletes_only_lapsed_jobs_that_are_not_live(db: DB) -> None:
 
 
 def test_purge_keeps_a_cancelled_job_until_its_drain_has_ended(db: DB) -> None:
-    """A fetch may outlast the TTL: the cancelled job stays, lapsed or not, until its
-    drain stores the in-flight target (which ends it); then a full TTL more."""
-    job = created(db, n=2)
-    assert db.cancel(job.id, now=T0)
+    """A fetch may outlast the TTL: while its owner is registered, the cancelled job
+    stays, lapsed or not, until its drain stores the in-flight target (which ends it);
+    then a full TTL more. An owner gone (stopped cleanly, or reaped) has no drain left:
+    its cancelled jobs lapse as any other (a `batch cancel` of a dead script's job)."""
+    db.heartbeat("runner-1", now=T0)
+    job = created(db, n=2, owner="runner-1")
+    orphan = created(db, n=2, caller="bob", owner="runner-2")  # no owner row
+    assert db.cancel(job.id, now=T0) and db.cancel(orphan.id, now=T0)
     later = T0 + 3 * TTL
-    assert db.purge_expired(now=later) == 0
+    assert db.purge_expired(now=later) == 1
+    assert db.lookup(orphan.id, now=later).state == "expired"
     out = db.write_target(job.id, 0, status="done", result="late", ttl=TTL, now=later)
     assert out.stored and out.finished
     assert db.purge_expired(now=later + TTL - dt.timedelta(microseconds=1)) == 0
@@ -1895,6 +1900,10 @@ def test_purge_keeps_a_cancelled_job_until_its_drain_has_ended(db: DB) -> None:
     assert found[0].status == "cancelled" and found[1][0].result == "late"
     assert db.purge_expired(now=later + TTL) == 1
     assert db.lookup(job.id, now=later + TTL).state == "expired"
+    again = created(db, n=1, owner="runner-1", now=later)
+    assert db.cancel(again.id, now=later)
+    db.remove_owner("runner-1")  # stopped cleanly: none of its drains is left
+    assert db.purge_expired(now=later + TTL) == 1
 
 
 @pytest.mark.parametrize(
