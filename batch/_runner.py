@@ -22,6 +22,7 @@ from dcache import (
     JobRow,
     NewTarget,
     PoolExhaustedError,
+    StoreClosedError,
     StoreError,
     StoreUnavailableError,
     TargetRow,
@@ -1018,6 +1019,15 @@ class Runner:
                 idx,
                 budget,
                 exc_info=True,
+                extra=extra,
+            )
+        except StoreClosedError:
+            # The app closed the store after this runner's close() gave up waiting: the
+            # job already ended ("shutdown"); this result has nowhere to go.
+            self._log.warning(
+                "job %s target %d: not stored, the store was closed before its drain ended",
+                job_id,
+                idx,
                 extra=extra,
             )
         except StoreError as exc:

@@ -24,7 +24,7 @@ from ._changes import JobChanges
 from ._checkpoint import Checkpointer
 from ._ddl import SchemaSetup
 from ._engine import WRITE_OPTION, prepare_engine
-from ._errors import ResultTooLargeError, StoreError, wrap_errors
+from ._errors import ResultTooLargeError, StoreClosedError, StoreError, wrap_errors
 from ._outbox import OutboxQueries
 from ._prepared import Prepared
 from ._queries import JobReads
@@ -525,7 +525,7 @@ class DB(
         """Refuse any use after :meth:`close`: a disposed engine would open connections
         again (a drain that outlived its runner's close, say) that nothing closes."""
         if self._closed:
-            raise StoreError(f"this store was closed: {self!r}")
+            raise StoreClosedError(f"this store was closed: {self!r}")
 
     def _one_statement(self) -> Connection:
         """A pooled connection for a read of ONE statement (its own consistent snapshot).

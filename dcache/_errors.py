@@ -54,6 +54,10 @@ class PoolExhaustedError(StoreUnavailableError):
     """Every pooled connection was in use until the checkout timed out (not an outage)."""
 
 
+class StoreClosedError(StoreError):
+    """The store was closed (:meth:`DB.close`): it opens no connection again."""
+
+
 class SchemaVersionError(StoreError):
     """The database holds a schema newer than this version of dcache understands."""
 

@@ -200,9 +200,9 @@ class Upkeep:
         tombstone_ttl: dt.timedelta | None = None,
     ) -> int:
         """Delete jobs whose lease lapsed with their targets: never a live one, nor a
-        cancelled one whose drain has not ended while its owner is registered (a fetch
-        may outlast the lease, and its target is still to be stored; an owner that
-        stopped or was reaped has no drain left).
+        cancelled one whose drain has not ended while its owner still beats (a fetch
+        may outlast the lease, and its target is still to be stored). An owner that
+        stopped, was reaped or has not beaten since the lease lapsed has no drain left.
 
         Each deleted job leaves a tombstone (its id, caller and expiry), so :meth:`lookup`
         can tell "expired" from "unknown" for ``tombstone_ttl`` after the lease lapsed (by
@@ -221,12 +221,15 @@ class Upkeep:
         keep = self.tombstone_ttl if tombstone_ttl is None else tombstone_ttl
         self._forget_tombstones(now - keep, limit, max_batches)
         gone = 0
-        # A cancelled job's drain may still be fetching (past the lease, even): its
-        # owner's row says so. An owner gone (stopped cleanly, or reaped) left no drain.
+        # A cancelled job's drain may still be fetching (past the lease, even): its owner
+        # beating since the lease lapsed says so. An owner gone (stopped cleanly, or
+        # reaped) left no drain, and one silent since then is taken for dead here.
         drained = and_(
             jobs.c.status == CANCELLED,
             jobs.c.finished_at.is_(None),
-            exists().where(owners.c.owner == jobs.c.owner),
+            exists().where(
+                owners.c.owner == jobs.c.owner, owners.c.heartbeat_at > jobs.c.expires_at
+            ),
         )
         lapsed = and_(jobs.c.expires_at <= now, jobs.c.status.not_in(LIVE), not_(drained))
         # Oldest lease first, by the expiry index: a range that ends at ``now`` and stops

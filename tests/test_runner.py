@@ -1185,6 +1185,37 @@ def test_close_gives_up_on_a_fetch_that_ignores_shutdown(clock: Clock, fake: Fak
         store.close()
 
 
+def test_a_drain_that_outlives_its_closed_store_says_so_once_without_alarm(
+    tmp_path: Path, clock: Clock, fake: FakeFetch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A script's ``runner.close(timeout)`` then ``db.close()`` with a fetch still held:
+    the late result cannot be stored. One warning says why; no "result refused by the
+    store" retry as failed, no CRITICAL (the job already ended "shutdown")."""
+    store = dcache.DB.open(f"sqlite:///{tmp_path / 'late.sqlite3'}")
+    log = logging.getLogger("tests.batch.late")
+    runner = Runner(store, fake, log=log, clock=clock)
+    try:
+        fake.block(A)
+        job_id = submit(runner, "alice", A, B)
+        fake.wait_entered(A)
+        runner.close(timeout=0.05)
+        store.close()
+        caplog.clear()  # close() said the job did not stop in time: expected
+        with caplog.at_level(logging.DEBUG, logger="tests.batch.late"):
+            fake.release(A)
+            join_threads([f"batch-job-{job_id}"])
+        late = [r for r in caplog.records if r.name == "tests.batch.late"]
+        assert [r.levelno for r in late] == [logging.WARNING], [r.getMessage() for r in late]
+        assert "closed" in late[0].getMessage()
+    finally:
+        fake.release_all()
+    with dcache.DB.open(f"sqlite:///{tmp_path / 'late.sqlite3'}") as again:
+        found_ = again.get_job_with_targets(job_id, now=clock())
+        assert found_ is not None
+        assert (found_[0].status, found_[0].error) == ("failed", "shutdown")
+        assert [t.status for t in found_[1]] == ["pending", "pending"]
+
+
 def test_close_without_timeout_waits_for_jobs_to_finish(runner: Runner, fake: FakeFetch) -> None:
     """A script's final close() must not cut its own jobs short."""
     fake.block(A)

@@ -1884,14 +1884,20 @@ def test_purge_keeps_a_cancelled_job_until_its_drain_has_ended(db: DB) -> None:
     """A fetch may outlast the TTL: while its owner is registered, the cancelled job
     stays, lapsed or not, until its drain stores the in-flight target (which ends it);
     then a full TTL more. An owner gone (stopped cleanly, or reaped) has no drain left:
-    its cancelled jobs lapse as any other (a `batch cancel` of a dead script's job)."""
+    its cancelled jobs lapse as any other (a `batch cancel` of a dead script's job), and
+    so do those of an owner that has not beaten since their lease lapsed."""
     db.heartbeat("runner-1", now=T0)
+    db.heartbeat("runner-3", now=T0)  # then it died: its row stays, no runner reaps it
     job = created(db, n=2, owner="runner-1")
     orphan = created(db, n=2, caller="bob", owner="runner-2")  # no owner row
-    assert db.cancel(job.id, now=T0) and db.cancel(orphan.id, now=T0)
+    stale = created(db, n=2, caller="carol", owner="runner-3")
+    for j in (job, orphan, stale):
+        assert db.cancel(j.id, now=T0)
     later = T0 + 3 * TTL
-    assert db.purge_expired(now=later) == 1
+    db.heartbeat("runner-1", now=later)  # alive, its drain still fetching
+    assert db.purge_expired(now=later) == 2
     assert db.lookup(orphan.id, now=later).state == "expired"
+    assert db.lookup(stale.id, now=later).state == "expired"
     out = db.write_target(job.id, 0, status="done", result="late", ttl=TTL, now=later)
     assert out.stored and out.finished
     assert db.purge_expired(now=later + TTL - dt.timedelta(microseconds=1)) == 0
@@ -2294,7 +2300,7 @@ def test_a_closed_store_refuses_every_use_and_opens_no_connection(
         lambda: db.purge_expired(now=T0),
     ]
     for call in refused:
-        with pytest.raises(dcache.StoreError, match="closed"):
+        with pytest.raises(dcache.StoreClosedError, match="closed"):
             call()
     pool = db.engine.pool
     assert getattr(pool, "checkedin", lambda: 0)() == 0
