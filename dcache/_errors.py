@@ -59,7 +59,8 @@ class StoreClosedError(StoreError):
 
 
 class SchemaVersionError(StoreError):
-    """The database holds a schema newer than this version of dcache understands."""
+    """The database holds a schema this version of dcache cannot use: a newer one, or a
+    version row that is not a number (nothing is changed in the database first)."""
 
 
 class ResultTooLargeError(StoreError, ValueError):
