@@ -162,8 +162,15 @@ class _PoolOfItsOwn(OptionEngine):
         self.__dict__["_own_pool"] = pool
 
     def dispose(self, close: bool = True) -> None:
-        """Close this pool's connections only (never the parent engine's)."""
-        self.pool.dispose()
+        """Replace this pool (never the parent engine's), as ``Engine.dispose`` does.
+
+        ``close=False`` (a forked child, see ``DB._forked``) leaves the old pool's
+        connections alone: closing one sends the server a terminate message on the
+        parent's session, which the parent's next heartbeat then found gone.
+        """
+        if close:
+            self.pool.dispose()
+        self.pool = self.pool.recreate()
 
 
 class DB(

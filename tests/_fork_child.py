@@ -6,7 +6,8 @@ in a transaction (as a batch being committed at the fork would). The child, with
 (an alarm kills it otherwise), stores a job of its own on connections of its own and exits
 the normal way, so the interpreter's finalizers run on everything it inherited. The parent
 then releases its thread, waits for the child and stores another job on the same writer
-connection as before the fork, which must still be the same open session.
+connection as before the fork, which must still be the same open session, and beats on
+the control pool's connection, which must still be open too.
 
 Prints ``child ok`` (from the child) and ``parent ok``; exits 0 when both went right.
 """
@@ -52,6 +53,7 @@ def store_job(db: dcache.DB, tag: str) -> None:
 def main(url: str) -> int:
     db = dcache.DB.open(url)
     store_job(db, "before")
+    db.heartbeat("parent", now=now())  # the control pool keeps an idle connection
     group = db._group
     parents = group._conn
     assert parents is not None
@@ -84,6 +86,10 @@ def main(url: str) -> int:
     store_job(db, "after")
     # The parent's session outlived the child: same connection, never invalidated.
     assert group._conn is parents and not parents.invalidated
+    # And so did the control pool's: the child closed it (a terminate message on the
+    # parent's session), and the next heartbeat failed as a lost connection.
+    db.heartbeat("parent", now=now())
+    assert [o.owner for o in db.owners()] == ["parent"]
     db.close()
     print("parent ok", flush=True)
     return 0
