@@ -25,7 +25,7 @@ import datetime as dt
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, bindparam, insert, literal, or_, select, update
+from sqlalchemy import Connection, bindparam, delete, exists, insert, literal, or_, select, update
 
 from ._errors import wrap_errors
 from ._rows import NotificationRow
@@ -104,6 +104,11 @@ def queue_notification(conn: Connection, job_id: str, now: dt.datetime) -> None:
 
 def _row(r: Any) -> NotificationRow:
     return NotificationRow(**{c.name: r._mapping[c.name] for c in _COLUMNS})
+
+
+# A notification whose job was purged while it was still pending: it is sent once more
+# (the job's id and status only), and goes once it is delivered or given up.
+_JOB_GONE = ~exists().where(jobs.c.id == outbox.c.job_id)
 
 
 def read_notification(conn: Connection, job_id: str) -> NotificationRow | None:
@@ -235,6 +240,8 @@ class OutboxQueries:
                 )
                 .values(**values)
             ).rowcount
+            if won == 1 and outcome != UNDELIVERED:
+                conn.execute(delete(outbox).where(outbox.c.id == msg_id, _JOB_GONE))
         return bool(won == 1)
 
     @wrap_errors
@@ -243,7 +250,10 @@ class OutboxQueries:
         if not findable(job_id):
             return None
         with self._one_statement() as conn:
-            return read_notification(conn, job_id)
+            r = conn.execute(
+                select(*_COLUMNS).where(outbox.c.id == message_id(job_id), ~_JOB_GONE)
+            ).first()
+        return _row(r) if r is not None else None
 
     @wrap_errors
     def redeliver(self, job_id: str, now: dt.datetime | None = None) -> bool:
@@ -259,7 +269,11 @@ class OutboxQueries:
         with self._write() as conn:
             won = conn.execute(
                 update(outbox)
-                .where(outbox.c.id == message_id(job_id), outbox.c.status != UNDELIVERED)
+                .where(
+                    outbox.c.id == message_id(job_id),
+                    outbox.c.status != UNDELIVERED,
+                    ~_JOB_GONE,  # a purged job's notification is not sent again
+                )
                 .values(
                     status=UNDELIVERED,
                     attempts=0,

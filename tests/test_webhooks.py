@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from _fetchers import WAIT
 from conftest import Clock
-from sqlalchemy import select
+from sqlalchemy import func, select
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 import batch
@@ -462,9 +462,17 @@ def test_a_retry_after_the_lease_lapsed_sends_only_the_job_id_and_status(
         clock.advance(hours=3)  # the lease (1 h) lapsed; the retry (2 h) is due
         assert db.purge_expired(now=clock.now) == 1
         assert runner.status(job_id) is None
+        assert runner.notification(job_id) is None  # purged, as the job is
         assert sender.deliver_due() == 1
-        note = runner.notification(job_id)
-        assert note is not None and (note.status, note.attempts) == ("delivered", 2)
+        assert len(receiver.seen) == 2
+        # Delivered, the row goes the way of its job: nothing answers for it, nothing
+        # sends it again, and the outbox does not grow with purged jobs' rows.
+        assert runner.notification(job_id) is None
+        assert not runner.redeliver(job_id)
+        assert sender.deliver_due() == 0
+        with db.engine.connect() as conn:
+            left = conn.execute(select(func.count()).select_from(outbox)).scalar()
+        assert left == 0
     retry = body_of(receiver.seen[1])
     assert retry == {
         "type": "job.finished",
