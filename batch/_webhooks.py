@@ -301,16 +301,21 @@ class Sender:
             limit=limit,
             finish_wait=self.hooks.finish_wait,
         )
+
+        def fits() -> bool:
+            elapsed = max(
+                time.monotonic() - started, (runner._clock() - claimed_at).total_seconds()
+            )
+            return elapsed + attempt <= usable
+
         attempted = 0
         for row in rows:
             if self._stop.is_set():
                 break  # the claim lapses; another sender (or this one, later) takes it
-            elapsed = max(
-                time.monotonic() - started, (runner._clock() - claimed_at).total_seconds()
-            )
-            if elapsed + attempt > usable:
+            # Asked before the attempt is prepared and again before it is sent: reading
+            # the job and the app's secret lookup take time of the claim too.
+            if not (fits() and self._deliver(row, attempt, fits)):
                 break  # the claim could lapse mid-attempt: the rest wait for it to lapse
-            self._deliver(row, attempt)
             attempted += 1
         return attempted
 
@@ -334,7 +339,14 @@ class Sender:
         doc["timestamp"] = when.isoformat()
         return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
 
-    def _deliver(self, row: dcache.NotificationRow, timeout: float | None = None) -> None:
+    def _deliver(
+        self,
+        row: dcache.NotificationRow,
+        timeout: float | None = None,
+        fits: Callable[[], bool] | None = None,
+    ) -> bool:
+        """One attempt, recorded; False (nothing sent or recorded) when ``fits`` says,
+        once the request is ready, that it would no longer end within the claim."""
         runner = self.runner
         started = time.monotonic()
         status = 0
@@ -348,6 +360,8 @@ class Sender:
                 "webhook-timestamp": str(stamp),
                 "webhook-signature": sign(self.hooks.secrets_for(row.caller), row.id, stamp, body),
             }
+            if fits is not None and not fits():
+                return False
             status, text = _post(row.url, body, headers, self.hooks, timeout)
             answer = f"HTTP {status}: {text[:500]}"
         except StoreError:
@@ -384,3 +398,4 @@ class Sender:
                 recorded,
             )
         )
+        return True

@@ -482,6 +482,37 @@ def test_a_retry_after_the_lease_lapsed_sends_only_the_job_id_and_status(
     }
 
 
+def test_an_attempt_whose_preparation_ate_the_claim_is_not_made(
+    db: dcache.DB, receiver: Receiver
+) -> None:
+    """Reading the job and looking up the secret (the app's code: a cold secrets
+    manager) count against the claim: a POST that would now outlast it is not sent, or
+    another sender that claimed the lapsed row would send the same webhook-id at once."""
+    clock = Clock(dt.datetime.now(dt.timezone.utc))
+    slow = [True]
+
+    def secret(caller: str) -> str:
+        if slow.pop() if slow else False:
+            clock.advance(seconds=50)  # 50 s of the 60 s lease gone
+        return SECRET
+
+    webhooks = hooks(secret=secret, timeout=5.0, poll=3600)
+    with batch.Runner(db, ok, clock=clock, webhooks=webhooks) as runner:
+        sender = runner._sender
+        assert sender is not None
+        job_id, _ = runner.submit("alice", "free", urls(1), notify=receiver.url)
+        assert runner.wait(job_id, timeout=WAIT) is not None
+        assert sender.deliver_due() == 0  # prepared, then left for the claim to lapse
+        assert receiver.seen == []
+        note = runner.notification(job_id)
+        assert note is not None and (note.status, note.attempts) == ("pending", 0)
+        clock.advance(seconds=60)  # the claim lapsed
+        assert sender.deliver_due() == 1
+        assert len(receiver.seen) == 1
+        note = runner.notification(job_id)
+        assert note is not None and (note.status, note.attempts) == ("delivered", 1)
+
+
 def test_a_cancelled_job_is_announced_once_its_in_flight_target_is_stored(
     db: dcache.DB, receiver: Receiver
 ) -> None:
