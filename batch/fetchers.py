@@ -538,8 +538,8 @@ class Fetcher:
             proxy resolves and connects, so guarding addresses is its job.
         user_agent: the ``User-Agent`` header sent.
 
-    The result's ``content`` is the body decoded as text (its declared charset, else
-    UTF-8, undecodable bytes replaced); a body that is not text (an image, a PDF) is
+    The result's ``content`` is the body decoded as text (its declared charset when it
+    is one of the web's, else UTF-8; undecodable bytes replaced); a body that is not text (an image, a PDF) is
     base64, with ``meta["encoding"] = "base64"``. ``meta`` holds ``status`` (HTTP),
     ``content_type``, ``url`` (after redirects) and ``bytes``. The ``grep`` option keeps
     the lines that contain its text; any other option fails the target, since this
@@ -745,7 +745,7 @@ class Fetcher:
         raise AssertionError("unreachable")  # pragma: no cover (the loop returns or raises)
 
     def _next_hop(self, current: str, resp: http.client.HTTPResponse, hop: int) -> str:
-        location = resp.getheader("Location")
+        location = _raw_location(resp.getheader("Location"))
         if not location:
             raise FetchError(
                 f"HTTP {resp.status} {resp.reason}: a redirect without a usable Location",
@@ -821,7 +821,12 @@ class Fetcher:
 
     def _read_body(self, resp: http.client.HTTPResponse) -> bytes:
         length = resp.getheader("Content-Length")
-        if length is not None and length.strip().isdigit() and int(length) > self.max_bytes:
+        # ASCII digits only, as http.client reads it ("²".isdigit(), but int() refuses it).
+        if (
+            length is not None
+            and _DIGITS.fullmatch(length.strip())
+            and int(length) > self.max_bytes
+        ):
             raise FetchError(
                 f"response is {int(length)} bytes, at most {self.max_bytes} allowed",
                 hint="raise Fetcher(max_bytes=...)",
@@ -875,9 +880,47 @@ def _is_text(ctype: str) -> bool:
     )
 
 
+# The charsets of the web (the WHATWG Encoding Standard's, plus ASCII, Latin-1, UTF-32 and
+# a few common aliases' targets), by the names Python's codecs give them. Other codecs are
+# no page's charset and some are hazards: punycode decodes in quadratic time (a 1 MB body
+# took 22 s of CPU, past the fetch's deadline), utf-7 and the escape codecs decode to lone
+# surrogates (no database stores them).
+_WEB_CHARSETS = frozenset(
+    [
+        "ascii", "big5", "big5hkscs", "cp1250", "cp1251", "cp1252", "cp1253", "cp1254",
+        "cp1255", "cp1256", "cp1257", "cp1258", "cp866", "cp874", "cp932", "cp949",
+        "euc_jp", "euc_kr", "gb18030", "gb2312", "gbk", "iso2022_jp", "iso8859-1",
+        "iso8859-2", "iso8859-3", "iso8859-4", "iso8859-5", "iso8859-6", "iso8859-7",
+        "iso8859-8", "iso8859-9", "iso8859-10", "iso8859-11", "iso8859-13", "iso8859-14",
+        "iso8859-15", "iso8859-16", "koi8-r", "koi8-u", "mac-cyrillic", "mac-roman",
+        "shift_jis", "tis-620", "utf-16", "utf-16-be", "utf-16-le", "utf-32", "utf-8",
+        "utf-8-sig",
+    ]
+)  # fmt: skip
+
+
+_DIGITS = re.compile(r"[0-9]+")
+
+
+def _raw_location(header: str | None) -> str | None:
+    """A ``Location`` header as the URL its bytes spell: http.client hands headers over
+    decoded as Latin-1, so UTF-8 bytes (``/caf\\xc3\\xa9``) would be encoded a second
+    time. UTF-8 is read as such; other bytes are percent-encoded as they came."""
+    if header is None or header.isascii():
+        return header
+    try:
+        raw = header.encode("latin-1")
+    except UnicodeEncodeError:
+        return header  # not from the wire's bytes (a test's headers): as given
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "".join(chr(b) if b < 0x80 else f"%{b:02X}" for b in raw)
+
+
 @functools.lru_cache(maxsize=64)
 def _charset(ctype: str) -> str:
-    """The declared charset if Python has a text codec for it, else UTF-8."""
+    """The declared charset if it is one of the web's (``_WEB_CHARSETS``), else UTF-8."""
     declared = "utf-8"
     for param in ctype.split(";")[1:]:
         name, _, value = param.partition("=")
@@ -888,11 +931,7 @@ def _charset(ctype: str) -> str:
         info = codecs.lookup(declared)
     except (LookupError, ValueError, TypeError, UnicodeError):
         return "utf-8"
-    # "base64", "rot13", "zlib"... are codecs but not text encodings: bytes.decode
-    # raises LookupError on them; "undefined" raises on any input.
-    if not getattr(info, "_is_text_encoding", True) or info.name == "undefined":
-        return "utf-8"
-    return info.name
+    return info.name if info.name in _WEB_CHARSETS else "utf-8"
 
 
 def _decode(body: bytes, meta: dict[str, Any]) -> str:
