@@ -539,8 +539,8 @@ class Fetcher:
         user_agent: the ``User-Agent`` header sent.
 
     The result's ``content`` is the body decoded as text (its declared charset when it
-    is one of the web's, else UTF-8; undecodable bytes replaced); a body that is not text (an image, a PDF) is
-    base64, with ``meta["encoding"] = "base64"``. ``meta`` holds ``status`` (HTTP),
+    is one of the web's, else UTF-8; undecodable bytes replaced); a body that is not text
+    (an image, a PDF) is base64, with ``meta["encoding"] = "base64"``. ``meta`` holds ``status`` (HTTP),
     ``content_type``, ``url`` (after redirects) and ``bytes``. The ``grep`` option keeps
     the lines that contain its text; any other option fails the target, since this
     fetcher cannot honour it.

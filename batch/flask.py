@@ -424,7 +424,7 @@ class BatchAPI:
             mimetype = ctype or "application/octet-stream"
         else:
             body = (piece.encode("utf-8") for piece in pieces)
-            mimetype = ctype or "text/plain; charset=utf-8"
+            mimetype = _as_utf8(ctype or "text/plain")
         # Read from the store, decoded and written a slice at a time: neither the stored
         # text nor the content is ever held whole (in the driver, in Python or in the
         # answer). A result purged while it streams ends the answer early (no last chunk).
@@ -934,6 +934,14 @@ def _media_type(reported: object) -> str | None:
     if isinstance(reported, str) and _MEDIA_TYPE.fullmatch(reported):
         return reported
     return None
+
+
+def _as_utf8(ctype: str) -> str:
+    """``ctype`` with its charset (if it named one) replaced by UTF-8: the stored content
+    is text, sent encoded as UTF-8 whatever charset the page it came from declared."""
+    media, *params = (p.strip() for p in ctype.split(";"))
+    kept = [p for p in params if p and p.partition("=")[0].strip().lower() != "charset"]
+    return "; ".join([media, *kept, "charset=utf-8"])
 
 
 _ROUTES = (

@@ -352,6 +352,29 @@ def test_content_carries_the_type_fetch_reported(make_all: Make) -> None:
 
 
 @pytest.mark.parametrize(
+    ("reported", "sent"),
+    [
+        ("text/html; charset=iso-8859-1", "text/html; charset=utf-8"),
+        ('text/html;charset="UTF-16"; level=1', "text/html; level=1; charset=utf-8"),
+        ("text/html", "text/html; charset=utf-8"),
+        ("application/json", "application/json; charset=utf-8"),
+        ("TEXT/CSV ; Charset=latin1", "TEXT/CSV; charset=utf-8"),
+    ],
+)
+def test_text_content_is_sent_as_utf8_whatever_charset_the_page_declared(
+    make_all: Make, reported: str, sent: str
+) -> None:
+    """The stored content is text, and it is sent as UTF-8: the page's own charset
+    (the fetcher decoded it) labelled those UTF-8 bytes wrongly (café read as cafÃ©)."""
+    api, runner = make_all()
+    runner._fetch = lambda _t: batch.Result("café", {"content_type": reported})  # type: ignore[attr-defined]
+    job_id = _submit(api, ["test://a"])
+    runner.wait(job_id, timeout=10)
+    got = api.open("GET", f"/jobs/{job_id}/targets/0/content")
+    assert (got.headers["Content-Type"], got.get_data()) == (sent, "café".encode())
+
+
+@pytest.mark.parametrize(
     "reported",
     ["text/html\r\nX-Injected: 1", "text/\u2603", "text/plain\x00", ["text/html"], 7, "html", ""],
 )
