@@ -447,8 +447,8 @@ def _paths(prefix: str) -> dict[str, Any]:
                     "The result's content as the body, with the content type fetch "
                     "reported in meta.content_type (text is sent as UTF-8 and its charset "
                     "says so; text/plain; charset=utf-8 when it reported none); content "
-                    "fetch stored as base64 (meta.encoding) is decoded. One result at a time: a client pulls large results with "
-                    "bounded memory on both sides."
+                    "fetch stored as base64 (meta.encoding) is decoded. One result at a "
+                    "time: a client pulls large results with bounded memory on both sides."
                 ),
                 "responses": {
                     "200": {

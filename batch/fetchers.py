@@ -540,10 +540,10 @@ class Fetcher:
 
     The result's ``content`` is the body decoded as text (its declared charset when it
     is one of the web's, else UTF-8; undecodable bytes replaced); a body that is not text
-    (an image, a PDF) is base64, with ``meta["encoding"] = "base64"``. ``meta`` holds ``status`` (HTTP),
-    ``content_type``, ``url`` (after redirects) and ``bytes``. The ``grep`` option keeps
-    the lines that contain its text; any other option fails the target, since this
-    fetcher cannot honour it.
+    (an image, a PDF) is base64, with ``meta["encoding"] = "base64"``. ``meta`` holds
+    ``status`` (HTTP), ``content_type``, ``url`` (after redirects) and ``bytes``. The
+    ``grep`` option keeps the lines that contain its text; any other option fails the
+    target, since this fetcher cannot honour it.
 
     Refused addresses (:class:`BlockedAddressError`), HTTP errors (4xx, 5xx), timeouts,
     unreachable hosts, too many redirects, bodies over ``max_bytes`` and refused schemes
