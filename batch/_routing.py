@@ -34,16 +34,20 @@ def answer_other_methods(
     routes: Iterable[tuple[str, str, str]],
     not_allowed: Callable[[str], Callable[..., Any]],
 ) -> None:
-    """For each ``(rule, endpoint, allow)``: ``not_allowed(allow)`` answers the methods
-    the route does not take, and ``OPTIONS`` answers 204 with ``allow``."""
+    """For each ``(rule, endpoint, allow)``: ``OPTIONS`` answers 204 with ``allow`` and
+    ``OPTIONS``, and ``not_allowed`` answers the methods the route does not take, with
+    the same list (the route takes ``OPTIONS`` too)."""
     for rule, endpoint, allow in routes:
         others = [m for m in OTHER_METHODS if m not in allow.split(", ")]
-        bp.add_url_rule(rule, f"{endpoint}_405", not_allowed(allow), methods=others, **PLAIN)
-        bp.add_url_rule(rule, f"{endpoint}_options", _options(allow), methods=["OPTIONS"], **PLAIN)
+        allowed = f"{allow}, OPTIONS"
+        bp.add_url_rule(rule, f"{endpoint}_405", not_allowed(allowed), methods=others, **PLAIN)
+        bp.add_url_rule(
+            rule, f"{endpoint}_options", _options(allowed), methods=["OPTIONS"], **PLAIN
+        )
 
 
-def _options(allow: str) -> Callable[..., Response]:
+def _options(allowed: str) -> Callable[..., Response]:
     def view(**_kw: Any) -> Response:
-        return Response(status=204, headers={"Allow": f"{allow}, OPTIONS"})
+        return Response(status=204, headers={"Allow": allowed})
 
     return view

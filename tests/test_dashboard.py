@@ -604,7 +604,7 @@ def test_other_methods_get_the_dashboards_405_with_its_headers(
             assert stranger.headers["Content-Security-Policy"] == CSP
             resp = client.open(path, method=method, headers=OP)
             assert resp.status_code == 405, (method, path)
-            assert resp.headers["Allow"] == allow, (method, path)
+            assert resp.headers["Allow"] == f"{allow}, OPTIONS", (method, path)
             assert resp.headers["Content-Security-Policy"] == CSP
             assert resp.headers["X-Frame-Options"] == "DENY"
             assert resp.headers["X-Content-Type-Options"] == "nosniff"

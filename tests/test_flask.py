@@ -634,10 +634,10 @@ def test_wrong_methods_and_unknown_paths_answer_in_the_json_shape(make: Make) ->
     api, _ = make()
     resp = api.open("GET", "/jobs")
     _error(resp, 405, "method_not_allowed")
-    assert resp.headers["Allow"] == "POST"
+    assert resp.headers["Allow"] == "POST, OPTIONS"  # as OPTIONS itself answers
     resp = api.open("PUT", "/jobs/abc")
     _error(resp, 405, "method_not_allowed")
-    assert resp.headers["Allow"] == "GET, HEAD, DELETE"
+    assert resp.headers["Allow"] == "GET, HEAD, DELETE, OPTIONS"
     _error(api.open("POST", "/jobs/openapi.json"), 405, "method_not_allowed")
     _error(api.open("GET", "/jobs/abc/def"), 404, "not_found")
     assert api.open("HEAD", "/jobs/openapi.json").status_code == 200
@@ -664,7 +664,7 @@ def test_other_methods_are_405_in_the_json_shape_with_the_routes_own_allow(
         assert resp.status_code == 405, (method, path)
         if method != "HEAD":
             _error(resp, 405, "method_not_allowed")
-        assert resp.headers["Allow"] == allowed, (method, path)
+        assert resp.headers["Allow"] == f"{allowed}, OPTIONS", (method, path)
     if method != "HEAD":
         _error(api.open(method, "/jobs/abc/def"), 404, "not_found")
         _error(api.open(method, "/jobs/"), 404, "not_found")
