@@ -25,6 +25,7 @@ from flask import Blueprint, Request, Response, abort, request
 import dcache
 
 from ._runner import Runner
+from ._values import MAX_CALLER_LENGTH, check_text
 from .events import (
     Event,
     JobCancelled,
@@ -66,7 +67,17 @@ JOB_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 600.0, 1800.0, 3600.
 _MAX_ENDED_FIRST = 4096
 
 OTHER_CLASS = "other"
-"""The ``caller_class`` label of classes beyond ``max_caller_classes``."""
+"""The ``caller_class`` label of classes beyond ``max_caller_classes``, and of classes
+that are no valid text (a refused submission's)."""
+
+
+def _labelable(caller_class: object) -> bool:
+    """Whether a class is text a runner accepts, so a label value that always exposes."""
+    try:
+        check_text(caller_class, "caller_class", limit=MAX_CALLER_LENGTH)
+    except ValueError:
+        return False
+    return True
 
 
 def _require() -> None:
@@ -176,9 +187,17 @@ class RunnerMetrics:
         )
 
     def _class(self, caller_class: str) -> str:
+        """The label for ``caller_class``: itself while slots last, else ``other``.
+
+        A class that is no valid text (a refused submission's, as sent) is ``other``
+        and takes no slot: a lone surrogate in a label fails every later scrape, and
+        refused junk would use up the slots.
+        """
         with self._lock:
             if caller_class in self._classes:
                 return caller_class
+            if not _labelable(caller_class):
+                return OTHER_CLASS
             if len(self._classes) < self._max_classes:
                 self._classes.add(caller_class)
                 return caller_class

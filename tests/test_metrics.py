@@ -208,6 +208,27 @@ def test_caller_classes_beyond_the_bound_share_one_label() -> None:
     assert value(s, "batch_process_live_jobs") == 3  # b, c, d; a finished; never-seen ignored
 
 
+def test_a_refused_class_never_becomes_a_label_nor_takes_a_slot() -> None:
+    """A submission refused as invalid carries its class as sent: a lone surrogate in a
+    label made every later scrape a 500 (in multiprocess mode, every process's), and
+    classes no runner accepts used up the bounded slots, so a real one counted as other."""
+    from prometheus_client import generate_latest
+
+    reg = CollectorRegistry()
+    m = RunnerMetrics(reg, max_caller_classes=2)
+    now = dcache.utcnow()
+    for bad in ("tier\ud800", "x" * 300, "nul\x00", 7, ""):
+        m(events.SubmissionRefused(now, "someone", bad, "invalid"))  # type: ignore[arg-type]
+    m(events.JobSubmitted(now, "id-g", "someone", "gold", 1, False))
+    m(events.SubmissionRefused(now, "someone", "gold", "invalid"))
+    text = generate_latest(reg).decode()  # did not raise
+    s = parse(text)
+    assert value(s, "batch_submissions_total", outcome="created", caller_class="gold") == 1
+    assert value(s, "batch_submissions_total", outcome="invalid", caller_class="gold") == 1
+    assert value(s, "batch_submissions_total", outcome="invalid", caller_class=OTHER_CLASS) == 5
+    assert "xxxx" not in text
+
+
 def test_metrics_can_be_guarded(db: dcache.DB, fake: FakeFetch) -> None:
     """An app that keeps /metrics private passes authorize; a refused scrape is a 403."""
     with batch.Runner(db, fake, CONFIG) as runner:
