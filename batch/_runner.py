@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import functools
 import json
@@ -84,6 +85,7 @@ _R = TypeVar("_R", bound="Runner")
 _T = TypeVar("_T")
 
 _ORPHAN_BEATS = 3  # an owner is dead after this many missed heartbeats
+_CANCEL_ANNOUNCED = 5.0  # how long a cancelled drain's end waits for the cancel's event
 _FINISH_PATIENCE = 24 * 3600.0  # seconds on_finish waits for a job's end to be read
 MAX_MESSAGE_LENGTH = 8192  # a stored error or hint, in characters
 _MAX_ID = 64
@@ -265,6 +267,7 @@ class Runner:
         self._drains: dict[str, _Drain] = {}
         self._ending: dict[str, _Drain] = {}  # drains whose thread may still be exiting
         self._abandoned: set[str] = set()
+        self._cancels: dict[str, list[threading.Event]] = {}  # see _cancelling
         self._finish_pending: dict[str, float] = {}  # job id -> since (monotonic): on_finish
         self._finish_call: Callable[[str], None] | None = None
         self._unresolved: dict[str, _Unresolved] = {}
@@ -750,7 +753,11 @@ class Runner:
                                 fields["status"],
                                 store_started - fetch_started,
                                 time.monotonic() - store_started,
-                                len(fields.get("result") or "") if fields["status"] == DONE else 0,
+                                (
+                                    utf8_size(fields.get("result") or "")
+                                    if fields["status"] == DONE
+                                    else 0
+                                ),
                             )
                         )
                     if not outcome.running:
@@ -786,7 +793,16 @@ class Runner:
             drain.done.set()
 
     def _finished(self, drain: _Drain, status: str, error: str = "") -> None:
-        drain.announced = True
+        """Tell the drain's end, once: close() may tell it for a drain that outlives it."""
+        with self._lock:
+            if drain.announced:
+                return
+            drain.announced = True
+        if status == CANCELLED:
+            with self._lock:
+                cancels = list(self._cancels.get(drain.job_id, ()))
+            for gate in cancels:  # a cancel of ours is announced first (bounded wait)
+                gate.wait(_CANCEL_ANNOUNCED)
         self._emit(
             JobFinished(
                 self._clock(),
@@ -1149,10 +1165,29 @@ class Runner:
         """
         if not _plausible_id(job_id):
             return False
-        if not self._db.cancel(job_id, now=self._clock()):
-            return False
-        self._cancelled(job_id)
+        with self._cancelling(job_id):
+            if not self._db.cancel(job_id, now=self._clock()):
+                return False
+            self._cancelled(job_id)
         return True
+
+    @contextlib.contextmanager
+    def _cancelling(self, job_id: str) -> Iterator[None]:
+        """Mark a cancel of ours under way: the drain it stops, which may learn of it
+        from its own write the moment it commits, announces its end only after the
+        cancel was announced (``JobCancelled`` first; see :meth:`_finished`)."""
+        gate = threading.Event()
+        with self._lock:
+            self._cancels.setdefault(job_id, []).append(gate)
+        try:
+            yield
+        finally:
+            with self._lock:
+                gates = self._cancels[job_id]
+                gates.remove(gate)
+                if not gates:
+                    del self._cancels[job_id]
+            gate.set()
 
     def _cancelled(self, job_id: str) -> None:
         """After a cancel won: stop the job's drain if it runs here, and announce it."""
@@ -1278,9 +1313,10 @@ class Runner:
         """
         if not _plausible_id(job_id):
             return False, None
-        won, row = self._db.cancel_job(job_id, now=self._clock(), caller=caller)
-        if won:
-            self._cancelled(job_id)
+        with self._cancelling(job_id):
+            won, row = self._db.cancel_job(job_id, now=self._clock(), caller=caller)
+            if won:
+                self._cancelled(job_id)
         return won, (_job(row) if row is not None else None)
 
     def poll(self, job_id: str) -> Job | None:
@@ -1498,7 +1534,9 @@ class Runner:
                     extra={"job_id": d.job_id},
                 )
                 try:
-                    self._db.fail_job(d.job_id, "shutdown", now=self._clock())
+                    if self._db.fail_job(d.job_id, "shutdown", now=self._clock()):
+                        # Told here: the drain's own end would come after the bus closes.
+                        self._finished(d, FAILED, "shutdown")
                 except StoreError:
                     self._log.error("could not mark job %s failed", d.job_id, exc_info=True)
         for d in drains:

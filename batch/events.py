@@ -253,9 +253,9 @@ class EventBus:
         with self._lock:
             self._view = ({}, (*self._view[1], entry))
 
-        def unsubscribe() -> None:
+        def unsubscribe() -> None:  # this subscription only (fn may hold several)
             with self._lock:
-                self._view = ({}, tuple(s for s in self._view[1] if s[0] is not fn))
+                self._view = ({}, tuple(s for s in self._view[1] if s is not entry))
 
         return unsubscribe
 

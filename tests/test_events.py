@@ -8,7 +8,7 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from _fetchers import WAIT, FakeFetch, wait_for
+from _fetchers import WAIT, FakeFetch, join_threads, wait_for
 
 import batch
 import dcache
@@ -174,6 +174,89 @@ def test_unsubscribe_stops_delivery(db: dcache.DB, fake: FakeFetch) -> None:
     assert len(rec.events) == seen
     with pytest.raises(TypeError):
         runner.subscribe("not callable")  # type: ignore[arg-type]
+
+
+def test_result_bytes_are_the_stored_results_utf8_bytes(db: dcache.DB) -> None:
+    """As the store counts them (and batch_result_bytes_total says): not characters."""
+    rec = Recorder()
+    with batch.Runner(db, lambda t: batch.Result("é😀" * 500), CONFIG) as runner:
+        runner.subscribe(rec)
+        job_id, _ = runner.submit("alice", "free", [{"url": "https://e.com/a"}])
+        assert runner.wait(job_id, timeout=WAIT) is not None
+        wait_for(lambda: bool(rec.of(events.TargetStored)), "the target's event")
+        found = runner.status(job_id, results=False)
+    assert found is not None
+    (stored,) = rec.of(events.TargetStored)
+    assert isinstance(stored, events.TargetStored)
+    assert stored.result_bytes == found[1][0].result_bytes > 3 * 1000
+
+
+def test_each_subscription_is_undone_by_its_own_unsubscribe(db: dcache.DB) -> None:
+    """One callable subscribed twice gets each event twice; one unsubscribe removes one
+    subscription (it removed both)."""
+    rec = Recorder()
+    with batch.Runner(db, lambda t: batch.Result("x"), CONFIG) as runner:
+        first = runner.subscribe(rec)
+        runner.subscribe(rec)
+        job_id, _ = runner.submit("alice", "free", [{"url": "https://e.com/a"}])
+        assert runner.wait(job_id, timeout=WAIT) is not None
+        wait_for(lambda: len(rec.of(events.JobFinished)) == 2, "both subscriptions' ends")
+        first()
+        first()  # idempotent: the other subscription stays
+        job_id, _ = runner.submit("bob", "free", [{"url": "https://e.com/b"}])
+        assert runner.wait(job_id, timeout=WAIT) is not None
+        wait_for(lambda: len(rec.of(events.JobFinished)) == 3, "the remaining one's end")
+    assert len(rec.of(events.JobFinished)) == 3
+
+
+def test_a_cancel_is_told_before_the_end_it_causes(db: dcache.DB, fake: FakeFetch) -> None:
+    """JobCancelled comes before the JobFinished(cancelled) of the drain it stopped, even
+    when the drain learns of the cancel from its own write the moment the cancel commits
+    (here: the in-flight fetch returns then, and the cancel takes a while to return)."""
+    rec = Recorder()
+    real_cancel = db.cancel
+
+    def slow_cancel(job_id: str, now: dt.datetime | None = None) -> bool:
+        won = real_cancel(job_id, now=now)
+        fake.release("https://e.com/a")  # the drain stores its target, finds it cancelled
+        wait_for(lambda: bool(rec.of(events.TargetStored)), "the in-flight target's write")
+        threading.Event().wait(0.2)  # the drain is ending meanwhile
+        return won
+
+    with batch.Runner(db, fake, CONFIG) as runner:
+        runner.subscribe(rec)
+        fake.block("https://e.com/a")
+        urls = [{"url": "https://e.com/a"}, {"url": "https://e.com/b"}]
+        job_id, _ = runner.submit("alice", "free", urls)
+        fake.wait_entered("https://e.com/a")
+        db.cancel = slow_cancel  # type: ignore[method-assign]
+        try:
+            assert runner.cancel(job_id)
+        finally:
+            db.cancel = real_cancel  # type: ignore[method-assign]
+        assert runner.wait(job_id, timeout=WAIT) is not None
+        wait_for(lambda: bool(rec.of(events.JobFinished)), "the job's end")
+    kinds = [type(e).__name__ for e in rec.events if not isinstance(e, events.TargetStored)]
+    assert kinds == ["JobSubmitted", "JobCancelled", "JobFinished"], kinds
+
+
+def test_a_drain_that_outlives_close_still_has_its_end_told(fake: FakeFetch) -> None:
+    """close() fails a job whose fetch ignores shutdown and closes the bus: it tells that
+    end itself (the drain's own JobFinished came after the bus closed and was dropped,
+    so the live-jobs gauge stayed up), and the drain tells no second end."""
+    rec = Recorder()
+    runner = batch.Runner(dcache.DB.memory(), fake, CONFIG)
+    runner.subscribe(rec)
+    fake.block("https://e.com/a")
+    job_id, _ = runner.submit("alice", "free", [{"url": "https://e.com/a"}])
+    fake.wait_entered("https://e.com/a")
+    runner.close(timeout=0.05)
+    ends = rec.of(events.JobFinished)
+    assert [(e.job_id, e.status, e.error) for e in ends] == [(job_id, "failed", "shutdown")]  # type: ignore[attr-defined]
+    fake.release("https://e.com/a")
+    join_threads([f"batch-job-{job_id}"])
+    assert len(rec.of(events.JobFinished)) == 1
+    runner.db.close()
 
 
 def test_a_full_queue_drops_and_counts_instead_of_blocking() -> None:
