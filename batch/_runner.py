@@ -85,7 +85,7 @@ _R = TypeVar("_R", bound="Runner")
 _T = TypeVar("_T")
 
 _ORPHAN_BEATS = 3  # an owner is dead after this many missed heartbeats
-_CANCEL_ANNOUNCED = 5.0  # how long a cancelled drain's end waits for the cancel's event
+_CANCEL_ANNOUNCED = 5.0  # how long a cancelled drain's end waits for cancels' events
 _FINISH_PATIENCE = 24 * 3600.0  # seconds on_finish waits for a job's end to be read
 MAX_MESSAGE_LENGTH = 8192  # a stored error or hint, in characters
 _MAX_ID = 64
@@ -801,8 +801,11 @@ class Runner:
         if status == CANCELLED:
             with self._lock:
                 cancels = list(self._cancels.get(drain.job_id, ()))
-            for gate in cancels:  # a cancel of ours is announced first (bounded wait)
-                gate.wait(_CANCEL_ANNOUNCED)
+            # A cancel of ours under way is announced first: one bound for them all (one
+            # that will lose, the job cancelled already, costs no more than that).
+            deadline = time.monotonic() + _CANCEL_ANNOUNCED
+            for gate in cancels:
+                gate.wait(max(0.0, deadline - time.monotonic()))
         self._emit(
             JobFinished(
                 self._clock(),

@@ -345,11 +345,14 @@ class Sender:
         timeout: float | None = None,
         fits: Callable[[], bool] | None = None,
     ) -> bool:
-        """One attempt, recorded; False (nothing sent or recorded) when ``fits`` says,
-        once the request is ready, that it would no longer end within the claim."""
+        """One attempt, recorded. False when ``fits`` said, once the request was ready,
+        that sending it would no longer end within the claim: it is recorded as an
+        attempt not sent (so the schedule moves on, and a row whose preparation never
+        fits ends as failed instead of being claimed forever) and logged."""
         runner = self.runner
         started = time.monotonic()
         status = 0
+        sent = True
         try:
             body = self.payload(row)
             stamp = int(runner._clock().timestamp())
@@ -361,9 +364,16 @@ class Sender:
                 "webhook-signature": sign(self.hooks.secrets_for(row.caller), row.id, stamp, body),
             }
             if fits is not None and not fits():
-                return False
-            status, text = _post(row.url, body, headers, self.hooks, timeout)
-            answer = f"HTTP {status}: {text[:500]}"
+                sent = False
+                answer = (
+                    "not sent: reading the job and signing it left too little of the "
+                    "claim for the attempt (raise Webhooks(lease=...), or make the "
+                    "secret lookup faster)"
+                )
+                _log.warning("notification %s %s", row.id, answer)
+            else:
+                status, text = _post(row.url, body, headers, self.hooks, timeout)
+                answer = f"HTTP {status}: {text[:500]}"
         except StoreError:
             raise
         except Exception as exc:
@@ -398,4 +408,4 @@ class Sender:
                 recorded,
             )
         )
-        return True
+        return sent

@@ -918,6 +918,27 @@ def _raw_location(header: str | None) -> str | None:
         return "".join(chr(b) if b < 0x80 else f"%{b:02X}" for b in raw)
 
 
+# WHATWG labels Python does not know, and the labels WHATWG decodes otherwise than their
+# name says (Latin-1 and ASCII as windows-1252, as browsers do: a page that says
+# iso-8859-1 is most often cp1252, its curly quotes in 0x80-0x9F).
+_WEB_ALIASES = {
+    "windows-31j": "cp932",
+    "x-sjis": "cp932",
+    "ms932": "cp932",
+    "windows-874": "cp874",
+    "x-mac-cyrillic": "mac-cyrillic",
+    "x-mac-ukrainian": "mac-cyrillic",
+    "windows-949": "cp949",
+    "cseuckr": "euc_kr",
+    "x-euc-jp": "euc_jp",
+    "x-gbk": "gbk",
+    "iso-8859-8-i": "iso8859-8",
+    "csiso88598i": "iso8859-8",
+    "logical": "iso8859-8",
+}
+_AS_CP1252 = frozenset(["iso8859-1", "ascii"])
+
+
 @functools.lru_cache(maxsize=64)
 def _charset(ctype: str) -> str:
     """The declared charset if it is one of the web's (``_WEB_CHARSETS``), else UTF-8."""
@@ -927,10 +948,13 @@ def _charset(ctype: str) -> str:
         if name.strip().lower() == "charset":
             declared = value.strip().strip("'\"").strip() or "utf-8"
             break
+    declared = _WEB_ALIASES.get(declared.lower(), declared)
     try:
         info = codecs.lookup(declared)
     except (LookupError, ValueError, TypeError, UnicodeError):
         return "utf-8"
+    if info.name in _AS_CP1252:
+        return "cp1252"
     return info.name if info.name in _WEB_CHARSETS else "utf-8"
 
 

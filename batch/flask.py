@@ -37,6 +37,7 @@ from typing import Any, NoReturn
 import attrs
 from flask import Blueprint, Flask, Request, Response, request, url_for
 from werkzeug.exceptions import HTTPException
+from werkzeug.http import dump_options_header, parse_options_header
 
 import dcache
 
@@ -939,9 +940,9 @@ def _media_type(reported: object) -> str | None:
 def _as_utf8(ctype: str) -> str:
     """``ctype`` with its charset (if it named one) replaced by UTF-8: the stored content
     is text, sent encoded as UTF-8 whatever charset the page it came from declared."""
-    media, *params = (p.strip() for p in ctype.split(";"))
-    kept = [p for p in params if p and p.partition("=")[0].strip().lower() != "charset"]
-    return "; ".join([media, *kept, "charset=utf-8"])
+    media, params = parse_options_header(ctype)  # quoted values may hold ";"
+    kept = {k: v for k, v in params.items() if k.lower() != "charset"}
+    return dump_options_header(media, {**kept, "charset": "utf-8"})
 
 
 _ROUTES = (

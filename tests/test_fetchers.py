@@ -655,6 +655,13 @@ def test_an_unusable_charset_decodes_as_utf8(serve: Callable[..., RawServer], ch
         ("shift_jis", "日本".encode("shift_jis"), "日本"),
         ("utf-16", "hé".encode("utf-16"), "hé"),
         ("koi8-r", "мир".encode("koi8-r"), "мир"),
+        # WHATWG's labels that Python does not know, and Latin-1 read as browsers do.
+        ("windows-31j", "日本".encode("cp932"), "日本"),
+        ("x-sjis", "日本".encode("cp932"), "日本"),
+        ("windows-874", "ไทย".encode("cp874"), "ไทย"),
+        ("x-mac-cyrillic", "мир".encode("mac-cyrillic"), "мир"),
+        ("iso-8859-1", b"\x93caf\xe9\x94", "\u201ccafé\u201d"),
+        ("us-ascii", b"\x93a\x94", "\u201ca\u201d"),
     ],
 )
 def test_only_the_charsets_of_the_web_are_decoded_as_declared(

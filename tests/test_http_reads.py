@@ -359,6 +359,7 @@ def test_content_carries_the_type_fetch_reported(make_all: Make) -> None:
         ("text/html", "text/html; charset=utf-8"),
         ("application/json", "application/json; charset=utf-8"),
         ("TEXT/CSV ; Charset=latin1", "TEXT/CSV; charset=utf-8"),
+        ('text/plain; title="x;charset=y"', 'text/plain; title="x;charset=y"; charset=utf-8'),
     ],
 )
 def test_text_content_is_sent_as_utf8_whatever_charset_the_page_declared(
