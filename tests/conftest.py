@@ -327,6 +327,13 @@ def wait_queued(store: dcache.DB, n: int) -> None:
     assert len(group._queued) == n
 
 
+def default_sigint() -> None:
+    """``preexec_fn`` of a child a test will SIGINT as Ctrl-C would: SIGINT's default
+    action, as a terminal's foreground job has. A shell's background job (a CI run
+    started with ``&``) inherits SIGINT ignored, and Python then leaves it ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupt_and_wait(proc: subprocess.Popen[str], timeout: float) -> int:
     """SIGINT a child and wait for its exit status; if it does not exit in time, fail
     with every thread's stack, which faulthandler prints on SIGABRT (start the child

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 from _netjail import netjail, netjail_check  # noqa: F401
-from conftest import SERVER_URLS, interrupt_and_wait, wipe
+from conftest import SERVER_URLS, default_sigint, interrupt_and_wait, wipe
 from sqlalchemy.engine import make_url
 
 import batch
@@ -80,6 +80,7 @@ def spawn(
     return subprocess.Popen(
         [*program, *args],
         env=env,
+        preexec_fn=default_sigint,  # the tests' SIGINT is a Ctrl-C
         stdin=subprocess.DEVNULL,
         stdout=kw.pop("stdout", subprocess.PIPE),
         stderr=kw.pop("stderr", subprocess.PIPE),

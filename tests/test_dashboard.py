@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from _fetchers import WAIT, FakeFetch, wait_for
 from _ops import HOSTILE, OPERATOR_HEADER, assert_strict, audit, make_app
-from conftest import Clock, interrupt_and_wait
+from conftest import Clock, default_sigint, interrupt_and_wait
 from flask import Flask, Request
 from flask.testing import FlaskClient
 
@@ -417,6 +417,7 @@ def test_serve_answers_on_loopback_and_refuses_other_hosts(tmp_path: Path) -> No
         text=True,
         cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1"},
+        preexec_fn=default_sigint,  # the test's SIGINT is a Ctrl-C
     )
     try:
         assert proc.stderr is not None

@@ -621,6 +621,9 @@ import datetime as dt, signal, sys, threading, time
 import dcache
 from dcache import _writer
 
+# Started with SIGINT ignored (a shell's background job), Python leaves it ignored.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 ttl = dt.timedelta(hours=1)
 db = dcache.DB.open("sqlite://")
 job = db.submit(job_id="j", caller="c", caller_class="x", idem_key="k",
