@@ -224,14 +224,14 @@ class Upkeep:
         # A cancelled job's drain may still be fetching (past the lease, even): its owner
         # beating since the lease lapsed says so. An owner gone (stopped cleanly, or
         # reaped) left no drain, and one silent since then is taken for dead here.
-        drained = and_(
+        draining = and_(
             jobs.c.status == CANCELLED,
             jobs.c.finished_at.is_(None),
             exists().where(
                 owners.c.owner == jobs.c.owner, owners.c.heartbeat_at > jobs.c.expires_at
             ),
         )
-        lapsed = and_(jobs.c.expires_at <= now, jobs.c.status.not_in(LIVE), not_(drained))
+        lapsed = and_(jobs.c.expires_at <= now, jobs.c.status.not_in(LIVE), not_(draining))
         # Oldest lease first, by the expiry index: a range that ends at ``now`` and stops
         # at ``limit`` rows, however many jobs the table holds (ordered by id, the same
         # query walked the whole primary key on SQLite and sorted a scan on PostgreSQL).
