@@ -970,6 +970,7 @@ def test_a_reused_submit_never_starts_a_second_drain_of_a_job_that_just_ended(
         job_id, reused = runner.submit("alice", "web", [{"url": A}])
         assert not reused and second == [(job_id, True)]
         finished(runner, job_id)
+        wait_for(lambda: bool(finishes), "the job's end event")
         threading.Event().wait(0.2)  # a second drain, were one started, would fetch by now
         assert fake.calls == [A]
         assert [e.job_id for e in finishes] == [job_id]
