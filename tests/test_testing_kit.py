@@ -162,6 +162,15 @@ def test_the_plugin_is_active_in_an_apps_test_suite(pytester: pytest.Pytester) -
     )
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
+    # Named by its module too (-p, or pytest_plugins in a conftest), it is the same
+    # plugin: registered under another name, pytest aborted every test of the session.
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "batch.testing")
+    result.assert_outcomes(passed=1)
+    pytester.makeconftest('pytest_plugins = ["batch.testing"]')
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:batch.testing")
+    assert result.ret != 0  # turned off by that name: the fixtures are gone
 
 
 def test_a_gate_left_closed_is_opened_before_the_runner_waits_for_its_drain(
