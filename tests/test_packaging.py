@@ -78,7 +78,7 @@ def test_the_wheel_carries_every_file_of_both_packages(wheel: Path) -> None:
     ):
         assert needed in packaged
     assert "batch = batch.__main__:main" in entries  # the `batch` command
-    assert "[pytest11]" in entries and "batch = batch.testing" in entries  # the fixtures
+    assert "[pytest11]" in entries and "batch.testing = batch.testing" in entries  # the fixtures
     assert "Requires-Dist: SQLAlchemy" in metadata
 
 
