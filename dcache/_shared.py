@@ -29,26 +29,28 @@ def findable(*keys: object) -> bool:
     A NUL (PostgreSQL refuses it) or a lone surrogate (not UTF-8) can be in no key the
     store wrote, so lookups answer "not found" without asking the database.
     """
-    for key in keys:
-        if not isinstance(key, str) or "\x00" in key:
-            return False
-        try:
-            key.encode("utf-8")
-        except UnicodeEncodeError:
-            return False
-    return True
+    return all(isinstance(key, str) and _unstorable(key) is None for key in keys)
 
 
 def check_storable(what: str, value: str) -> None:
-    """Refuse text that some backend cannot store: a NUL (PostgreSQL's text cannot hold
-    one) or a lone surrogate (not UTF-8). Refused on every backend alike."""
-    if "\x00" in value:
-        raise ValueError(f"{what} must not contain NUL characters")
-    if not value.isascii():
+    """Refuse text that some backend cannot store (see ``_unstorable``), on every
+    backend alike."""
+    reason = _unstorable(value)
+    if reason is not None:
+        raise ValueError(f"{what} {reason}")
+
+
+def _unstorable(text: str) -> str | None:
+    """Why some backend cannot store ``text`` (a NUL: PostgreSQL's text cannot hold one;
+    a lone surrogate: not UTF-8), or ``None``. ASCII text is not encoded to tell."""
+    if "\x00" in text:
+        return "must not contain NUL characters"
+    if not text.isascii():
         try:
-            value.encode("utf-8")
+            text.encode("utf-8")
         except UnicodeEncodeError:
-            raise ValueError(f"{what} is not UTF-8 text (it holds a lone surrogate)") from None
+            return "is not UTF-8 text (it holds a lone surrogate)"
+    return None
 
 
 def utf8_size(text: str) -> int:
