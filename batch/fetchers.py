@@ -90,6 +90,7 @@ _V4_REASONS: tuple[tuple[ipaddress.IPv4Network, str], ...] = tuple(
         ("172.16.0.0/12", "private network"),
         ("192.168.0.0/16", "private network"),
         ("100.64.0.0/10", "shared address space (CGNAT)"),
+        ("192.0.0.0/24", "IETF protocol assignments"),
         ("169.254.0.0/16", "link-local, cloud metadata"),
         ("192.0.2.0/24", "documentation"),
         ("198.51.100.0/24", "documentation"),
@@ -100,6 +101,11 @@ _V4_REASONS: tuple[tuple[ipaddress.IPv4Network, str], ...] = tuple(
         ("240.0.0.0/4", "reserved"),
     )
 )
+# IANA's IPv4 special-purpose registry, every range it marks not globally reachable, and
+# multicast: judged by this table alone, not by ``is_global``, whose table differs between
+# Python releases (3.11.7 calls most of 192.0.0.0/24 global). Within 192.0.0.0/24, IANA
+# marks the PCP and TURN anycast addresses globally reachable.
+_V4_GLOBAL_EXCEPTIONS = (ipaddress.IPv4Address("192.0.0.9"), ipaddress.IPv4Address("192.0.0.10"))
 _V6_REASONS: tuple[tuple[ipaddress.IPv6Network, str], ...] = tuple(
     (ipaddress.IPv6Network(net), why)
     for net, why in (
@@ -141,9 +147,10 @@ def _embedded_v4(address: ipaddress.IPv6Address) -> tuple[ipaddress.IPv4Address,
 def address_refusal(address: Address) -> str | None:
     """Why the default policy refuses ``address``, or ``None`` when it may be reached.
 
-    Only globally routable unicast addresses pass (:mod:`ipaddress`'s ``is_global``, not
-    multicast). An IPv6 address that carries an IPv4 one (IPv4-mapped ``::ffff:0:0/96``,
-    NAT64 ``64:ff9b::/96``, 6to4 ``2002::/16``) is judged by that IPv4 address too, since
+    Only globally routable unicast addresses pass, judged by the library's own tables of
+    IANA's special-purpose ranges, not by the running Python's ``is_global``. An IPv6
+    address that carries an IPv4 one (IPv4-mapped ``::ffff:0:0/96``, NAT64
+    ``64:ff9b::/96``, 6to4 ``2002::/16``) is judged by that IPv4 address too, since
     that is where its packets go; deprecated IPv4-compatible and site-local forms, the
     IPv4-translated form, local-use NAT64 ``64:ff9b:1::/48``, and every other IPv6 address
     outside global unicast ``2000::/3`` are refused, whatever the running Python's
@@ -171,13 +178,11 @@ def address_refusal(address: Address) -> str | None:
         if not address.is_global:
             return "not globally routable"
         return None
+    if address in _V4_GLOBAL_EXCEPTIONS:
+        return None
     for net4, why in _V4_REASONS:
         if address in net4:
             return why
-    if address.is_multicast:
-        return "multicast"
-    if not address.is_global:
-        return "not globally routable"
     return None
 
 

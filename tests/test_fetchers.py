@@ -334,6 +334,43 @@ def test_ipv6_ranges_outside_global_unicast_are_refused_on_every_python(
     assert Guard([address]).refusal("svc.test", parsed) is None
 
 
+@pytest.mark.parametrize(
+    "address", ["192.0.0.0", "192.0.0.8", "192.0.0.11", "192.0.0.100", "192.0.0.171", "192.0.0.255"]
+)
+def test_ietf_protocol_assignments_are_refused_on_every_python(
+    serve: Callable[..., RawServer], monkeypatch: pytest.MonkeyPatch, address: str
+) -> None:
+    """IANA's 192.0.0.0/24 is not globally reachable (but for 192.0.0.9 and .10): refused
+    by the policy's own IPv4 table, not by the running Python's ``is_global`` (3.11.7
+    calls all of it global but .0/29 and .170/31), in every form that carries it."""
+    parsed = ipaddress.IPv4Address(address)
+    for form in (address, f"::ffff:{address}", f"64:ff9b::{address}"):
+        why = address_refusal(ipaddress.ip_address(form)) or ""
+        assert "IETF protocol assignments" in why, form
+    six_to_four = ipaddress.IPv6Address((0x2002 << 112) | (int(parsed) << 80))
+    assert "IETF protocol assignments" in (address_refusal(six_to_four) or "")
+    err = refused(f"http://{address}/")
+    assert isinstance(err, BlockedAddressError)
+    assert err.message == f"blocked address {address} (IETF protocol assignments)"
+    server = serve(reply(b"inside"))
+
+    def answer(host: Any, port: Any, *args: Any, **kw: Any) -> Any:
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (address, int(port)))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", answer)
+    err = refused(f"http://svc.test:{server.port}/")
+    assert err.message.endswith("for host 'svc.test'"), err.message
+    assert server.connections == 0
+
+
+@pytest.mark.parametrize("address", ["192.0.0.9", "192.0.0.10", "192.31.196.1", "8.8.8.8"])
+def test_globally_reachable_special_ipv4_addresses_pass_on_every_python(address: str) -> None:
+    """IANA marks PCP and TURN anycast (192.0.0.9, .10) and AS112 globally reachable:
+    they pass whatever the running Python's ``is_global`` says (3.11.7 refuses .9, .10)."""
+    assert address_refusal(ipaddress.IPv4Address(address)) is None
+    assert address_refusal(ipaddress.IPv6Address(f"::ffff:{address}")) is None
+
+
 def test_a_name_with_any_refused_address_is_refused(
     serve: Callable[..., RawServer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -452,7 +489,21 @@ def _expected_refused(address: Any) -> bool:
             return True
         if any(address in ipaddress.ip_network(n) for n in ("2001:db8::/32", "3fff::/20")):
             return True
-    return not address.is_global or address.is_multicast
+        return not address.is_global or address.is_multicast
+    # IPv4: IANA's special-purpose registry, its ranges not globally reachable (less the
+    # two anycast addresses it marks reachable), and multicast; not ``is_global``, whose
+    # table differs between Python releases.
+    if address in (ipaddress.ip_address("192.0.0.9"), ipaddress.ip_address("192.0.0.10")):
+        return False
+    return any(address in ipaddress.ip_network(n) for n in _IANA_V4_NOT_GLOBAL)
+
+
+_IANA_V4_NOT_GLOBAL = (
+    *("0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16"),
+    *("172.16.0.0/12", "192.0.0.0/24", "192.0.2.0/24", "192.168.0.0/16", "198.18.0.0/15"),
+    *("198.51.100.0/24", "203.0.113.0/24", "240.0.0.0/4", "255.255.255.255/32"),
+    "224.0.0.0/4",  # multicast
+)
 
 
 v4 = st.ip_addresses(v=4)
