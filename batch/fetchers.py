@@ -460,8 +460,14 @@ def _guarded(conn: http.client.HTTPConnection, guard: Guard | None, deadline: fl
     ) -> socket.socket:
         if guard is None:  # an explicit proxy: guarding the addresses is its job
             budget = max(deadline - time.monotonic(), 0.001)
-            return socket.create_connection(address, budget)
-        return guard.connect(address[0], address[1], deadline)
+            sock = socket.create_connection(address, budget)
+        else:
+            sock = guard.connect(address[0], address[1], deadline)
+        # What is left, not what was left before the connect: the TLS handshake that
+        # follows takes the socket's timeout whole as its own bound. (Through a proxy,
+        # reading the CONNECT reply sets it again, as every read of a response does.)
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        return sock
 
     # http.client's own seam for opening the socket (there since Python 3.0); TLS, a
     # CONNECT tunnel and the request itself all ride on the socket it returns.

@@ -643,6 +643,43 @@ def test_a_stalled_tls_handshake_is_cut_at_the_deadline(serve: Callable[..., Raw
     assert time.monotonic() - started < 1.6
 
 
+@pytest.mark.parametrize("via_proxy", [False, True], ids=["direct", "proxy"])
+def test_a_slow_connect_leaves_the_tls_handshake_only_what_is_left(
+    serve: Callable[..., RawServer], monkeypatch: pytest.MonkeyPatch, via_proxy: bool
+) -> None:
+    """The deadline covers connect and TLS handshake together: a connect that took 0.8 s
+    of timeout=1 leaves the stalled handshake 0.2 s, not a fresh second (the handshake
+    takes the socket's timeout whole, as it stood before the connect). Through a proxy
+    the same holds after its CONNECT tunnel."""
+    if via_proxy:
+
+        def tunnel(conn: socket.socket, server: RawServer) -> None:
+            server.send(conn, b"HTTP/1.1 200 Connection established\r\n\r\n")
+            server.stop.wait(5)  # then silent: the ClientHello is never answered
+
+        server = serve(tunnel)
+        fetcher = Fetcher(timeout=1, proxy=server.url)
+        url = "https://origin.test/"
+    else:
+        server = serve(reply(b"never"))  # waits for a request head: silent to TLS
+        fetcher = Fetcher(timeout=1, allow=LOOPBACK)
+        url = f"https://127.0.0.1:{server.port}/"
+    real = socket.socket.connect
+
+    def slow_connect(sock: socket.socket, address: Any) -> None:
+        real(sock, address)
+        if address[1] == server.port:
+            time.sleep(0.8)  # as a server whose SYN queue is full answers late
+
+    monkeypatch.setattr(socket.socket, "connect", slow_connect)
+    started = time.monotonic()
+    err = refused(url, fetcher)
+    took = time.monotonic() - started
+    assert "timed out" in err.message
+    assert 0.9 < took < 1.5, took
+    assert server.connections == 1
+
+
 def _big(status: str, size: int, **headers: str) -> Callable[..., None]:
     def handler(conn: socket.socket, server: RawServer) -> None:
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
