@@ -414,17 +414,32 @@ def _getaddrinfo(host: str, port: int, deadline: float) -> list[tuple[Any, ...]]
 # -- http.client, bounded -----------------------------------------------------------------
 
 
+def _wire_cap(max_bytes: int) -> int:
+    """The most bytes one response may take on the wire: the body's cap, a quarter more
+    for chunked framing, and 1 MiB for heads (informational ones included), chunk
+    extensions and trailers. ``http.client`` bounds each line, not how many lines come."""
+    return max_bytes + max_bytes // 4 + 1024 * 1024
+
+
+class _WireCapExceeded(Exception):
+    """A response took more than its :func:`_wire_cap` of bytes on the wire."""
+
+
 class _DeadlineIO(io.RawIOBase):
-    """The response's socket reader: every read waits only until the overall deadline.
+    """The response's socket reader: every read waits only until the overall deadline,
+    and no more than ``cap`` bytes are read in all.
 
     A socket timeout alone bounds each read, so a server dripping one byte a second
     could hold a fetch for ever; here each read gets what is left of the one deadline.
+    The cap counts every byte ``http.client`` reads (heads, chunk framing, trailers), so
+    framing around a small body cannot make a fetch read gigabytes until its deadline.
     """
 
-    def __init__(self, raw: Any, sock: socket.socket, deadline: float) -> None:
+    def __init__(self, raw: Any, sock: socket.socket, deadline: float, cap: int) -> None:
         self._raw = raw
         self._sock = sock
         self._deadline = deadline
+        self._left = cap
 
     def readable(self) -> bool:
         return True
@@ -433,8 +448,12 @@ class _DeadlineIO(io.RawIOBase):
         left = self._deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("the fetch's deadline passed")
+        if self._left <= 0:
+            raise _WireCapExceeded
         self._sock.settimeout(left)
-        n: int = self._raw.readinto(buffer)
+        with memoryview(buffer) as view:
+            n: int = self._raw.readinto(view[: self._left])
+        self._left -= n
         return n
 
     def close(self) -> None:
@@ -444,16 +463,21 @@ class _DeadlineIO(io.RawIOBase):
 
 
 class _Response(http.client.HTTPResponse):
-    def __init__(self, sock: socket.socket, *args: Any, deadline: float, **kw: Any) -> None:
+    def __init__(
+        self, sock: socket.socket, *args: Any, deadline: float, cap: int, **kw: Any
+    ) -> None:
         super().__init__(sock, *args, **kw)
         # The SocketIO keeps the socket alive when http.client closes the connection
         # early (Connection: close); reads go through it, bounded by the deadline.
         raw = self.fp.detach()
-        self.fp = io.BufferedReader(_DeadlineIO(raw, sock, deadline))
+        self.fp = io.BufferedReader(_DeadlineIO(raw, sock, deadline, cap))
 
 
-def _guarded(conn: http.client.HTTPConnection, guard: Guard | None, deadline: float) -> None:
-    """Make ``conn`` connect through ``guard`` and read within ``deadline``."""
+def _guarded(
+    conn: http.client.HTTPConnection, guard: Guard | None, deadline: float, cap: int
+) -> None:
+    """Make ``conn`` connect through ``guard`` and read within ``deadline`` and at most
+    ``cap`` bytes a response."""
 
     def open_socket(
         address: tuple[str, int], timeout: object = None, source: object = None
@@ -472,12 +496,12 @@ def _guarded(conn: http.client.HTTPConnection, guard: Guard | None, deadline: fl
     # http.client's own seam for opening the socket (there since Python 3.0); TLS, a
     # CONNECT tunnel and the request itself all ride on the socket it returns.
     conn._create_connection = open_socket  # type: ignore[attr-defined]
-    conn.response_class = _response_factory(deadline)  # type: ignore[assignment]
+    conn.response_class = _response_factory(deadline, cap)  # type: ignore[assignment]
 
 
-def _response_factory(deadline: float) -> Callable[..., _Response]:
+def _response_factory(deadline: float, cap: int) -> Callable[..., _Response]:
     def make(sock: socket.socket, *args: Any, **kw: Any) -> _Response:
-        return _Response(sock, *args, deadline=deadline, **kw)
+        return _Response(sock, *args, deadline=deadline, cap=cap, **kw)
 
     return make
 
@@ -537,7 +561,8 @@ class Fetcher:
             handshake, headers and body of every redirect hop. A server that drips
             bytes cannot hold a target past it.
         max_bytes: the largest body accepted; a larger one fails the target. No response
-            (a redirect's neither) is read much beyond it.
+            (a redirect's neither) is read much beyond it: heads, chunk framing and
+            trailers count too, up to a quarter more and 1 MiB.
         max_redirects: how many redirects to follow (0: none).
         schemes: the URL schemes accepted, among ``http``, ``https`` and ``file``.
             ``file`` is off by default: add it (``schemes=("http", "https", "file")``)
@@ -729,6 +754,12 @@ class Fetcher:
                     conn.close()
         except FetchError:
             raise
+        except _WireCapExceeded:
+            raise FetchError(
+                f"response is over {self.max_bytes} bytes (headers and framing included: "
+                f"{_wire_cap(self.max_bytes)} bytes read)",
+                hint="raise Fetcher(max_bytes=...)",
+            ) from None
         except (_Timeout, TimeoutError):
             raise FetchError(
                 f"timed out after {self.timeout:g} s (the whole fetch, redirects included)",
@@ -800,10 +831,10 @@ class Fetcher:
         conn: http.client.HTTPConnection
         if self._proxy is None:
             conn = self._connection(scheme, host, port, deadline)
-            _guarded(conn, self.guard, deadline)
+            _guarded(conn, self.guard, deadline, _wire_cap(self.max_bytes))
         else:
             conn = self._connection(scheme, *self._proxy, deadline)
-            _guarded(conn, None, deadline)
+            _guarded(conn, None, deadline, _wire_cap(self.max_bytes))
             if scheme == "https":
                 conn.set_tunnel(host, port)
             else:

@@ -717,6 +717,58 @@ def test_an_unsized_body_is_read_only_to_the_cap(serve: Callable[..., RawServer]
     assert server.sent < 4 * 1024 * 1024, server.sent
 
 
+def _flood(kind: str) -> Callable[..., None]:
+    """A response whose body is small but whose framing never ends (or ends very late):
+    endless ``100 Continue`` heads, 1-byte chunks each under a 60 KiB extension, or an
+    endless trailer after a small chunked body."""
+
+    def handler(conn: socket.socket, server: RawServer) -> None:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+        head = b"HTTP/1.1 200 OK\r\nConnection: close\r\nTransfer-Encoding: chunked\r\n\r\n"
+        if kind == "continues":
+            while not server.stop.is_set():
+                server.send(conn, b"HTTP/1.1 100 Continue\r\n\r\n" * 2000)
+        elif kind == "chunk-extensions":
+            server.send(conn, head)
+            for _ in range(900):  # 900 bytes of body in 54 MB of framing
+                server.send(conn, b"1;" + b"e" * 60_000 + b"\r\nx\r\n")
+            server.send(conn, b"0\r\n\r\n")
+        else:
+            server.send(conn, head + b"5\r\nhello\r\n0\r\n")
+            while not server.stop.is_set():
+                server.send(conn, b"X-Trailer: " + b"t" * 1000 + b"\r\n")
+
+    return handler
+
+
+@pytest.mark.parametrize("kind", ["continues", "chunk-extensions", "trailers"])
+def test_framing_is_capped_as_the_body_is(serve: Callable[..., RawServer], kind: str) -> None:
+    """Heads, chunk extensions and trailers are read through the same cap as the body (a
+    little over ``max_bytes``): a server cannot make a fetch read gigabytes of them until
+    its deadline, nor succeed after 54 MB of framing around a 900-byte body."""
+    server = serve(_flood(kind))
+    fetcher = Fetcher(max_bytes=1000, allow=LOOPBACK, timeout=20)
+    started = time.monotonic()
+    err = refused(server.url + "/", fetcher)
+    assert err.message.startswith("response is over "), err.message
+    assert "headers and framing included" in err.message, err.message
+    assert time.monotonic() - started < 10
+    server.stop.set()
+    server.wait_idle()
+    assert server.sent < fetcher.max_bytes + 4 * 1024 * 1024, server.sent
+
+
+def test_a_chunked_body_of_small_chunks_is_read_whole(serve: Callable[..., RawServer]) -> None:
+    """The cap on framing leaves room for an honest body sent in small chunks."""
+
+    def chunks(conn: socket.socket, server: RawServer) -> None:
+        head = b"HTTP/1.1 200 OK\r\nConnection: close\r\nTransfer-Encoding: chunked\r\n\r\n"
+        server.send(conn, head + b"1\r\nx\r\n" * 1000 + b"0\r\n\r\n")
+
+    server = serve(chunks)
+    assert get(server.url + "/", Fetcher(max_bytes=1000, allow=LOOPBACK)).content == "x" * 1000
+
+
 @pytest.mark.parametrize("charset", ["base64", "rot13", "undefined", "no-such-charset", "zlib"])
 def test_an_unusable_charset_decodes_as_utf8(serve: Callable[..., RawServer], charset: str) -> None:
     """A charset Python cannot decode text with never crashes the fetch: UTF-8, replaced."""
