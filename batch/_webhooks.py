@@ -222,7 +222,9 @@ def _post(
         conn = http.client.HTTPSConnection(host, port, timeout=budget)
     else:
         conn = http.client.HTTPConnection(host, port, timeout=budget)
-    fetchers._guarded(conn, fetchers.Guard(hooks.allow), deadline)
+    fetchers._guarded(
+        conn, fetchers.Guard(hooks.allow), deadline, fetchers._wire_cap(_ANSWER_BYTES)
+    )
     try:
         conn.request("POST", fetchers._request_target(parts), body=body, headers=headers)
         resp = conn.getresponse()

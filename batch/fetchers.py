@@ -449,7 +449,7 @@ class _DeadlineIO(io.RawIOBase):
         if left <= 0:
             raise TimeoutError("the fetch's deadline passed")
         if self._left <= 0:
-            raise _WireCapExceeded
+            raise _WireCapExceeded("the response took more bytes than its cap on the wire")
         self._sock.settimeout(left)
         with memoryview(buffer) as view:
             n: int = self._raw.readinto(view[: self._left])
