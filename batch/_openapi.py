@@ -12,6 +12,11 @@ import dcache
 
 from ._values import MAX_OPTION_LENGTH, MAX_URL_LENGTH
 
+CONTENT_CSP = "sandbox; default-src 'none'"
+"""The ``Content-Security-Policy`` of every ``/content`` answer: the fetched content is
+shown as its type says, inert (no script, no form, no plugin, no load) and in an opaque
+origin, whatever a page of it holds."""
+
 __all__ = ["document"]
 
 _REF = "#/components/schemas/"
@@ -448,11 +453,19 @@ def _paths(prefix: str) -> dict[str, Any]:
                     "reported in meta.content_type (text is sent as UTF-8 and its charset "
                     "says so; text/plain; charset=utf-8 when it reported none); content "
                     "fetch stored as base64 (meta.encoding) is decoded. One result at a "
-                    "time: a client pulls large results with bounded memory on both sides."
+                    "time: a client pulls large results with bounded memory on both sides. "
+                    "Sandboxed: a fetched page opened here runs no script and has an "
+                    "origin of its own."
                 ),
                 "responses": {
                     "200": {
                         "description": "The content.",
+                        "headers": {
+                            "Content-Security-Policy": {
+                                "description": "Always sandbox; default-src 'none'.",
+                                "schema": {"type": "string", "const": CONTENT_CSP},
+                            }
+                        },
                         "content": {"*/*": {"schema": {}}},
                     },
                     **_COMMON,

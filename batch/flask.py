@@ -54,7 +54,7 @@ from ._errors import (
     TooManyTargetsError,
 )
 from ._metrics import metrics
-from ._openapi import document
+from ._openapi import CONTENT_CSP, document
 from ._routing import ANY, PLAIN, answer_other_methods
 from ._runner import RawStatus, Runner
 from ._values import MAX_KEY_LENGTH, Checked, Job
@@ -431,6 +431,10 @@ class BatchAPI:
         # answer). A result purged while it streams ends the answer early (no last chunk).
         resp = Response(body, content_type=mimetype)
         resp.headers["X-Content-Type-Options"] = "nosniff"
+        # A stranger's page (HTML, SVG) opened from here must not run on the app's origin
+        # with the user's cookies: sandboxed, it is shown in an opaque origin of its own,
+        # its scripts off and nothing loaded on its behalf.
+        resp.headers["Content-Security-Policy"] = CONTENT_CSP
         return resp
 
     def _target(

@@ -260,6 +260,41 @@ def test_a_hostile_result_renders_as_text(
     assert page.evaluate("typeof window.__pwned") == "undefined"
 
 
+@pytest.mark.parametrize(
+    ("ctype", "page"),
+    [
+        ("text/html", f"<html><body>{HOSTILE}<p id=seen>fetched</p></body></html>"),
+        (
+            "image/svg+xml",
+            '<svg xmlns="http://www.w3.org/2000/svg" onload="window.__pwned = 1">'
+            "<script>window.__pwned = 1</script><text y='20'>fetched</text></svg>",
+        ),
+    ],
+    ids=["html", "svg"],
+)
+def test_fetched_content_opens_as_an_inert_page(
+    site: tuple[batch.Runner, str], browser: Browser, fake: FakeFetch, ctype: str, page: str
+) -> None:
+    """A fetched page is a stranger's: opened through ``/content`` on the app's own origin
+    its script must not run (it would act with the user's cookies on the API and the
+    dashboard). The answer is sandboxed: shown, inert, in an origin of its own."""
+    runner, base = site
+    url = "https://example.com/page"
+    fake.behave(url, lambda t: batch.Result(page, {"content_type": ctype}))
+    job_id, _ = runner.submit("api-user", "api", [{"url": url}])
+    assert runner.wait(job_id, timeout=WAIT) is not None
+    tab = browser.page
+    resp = tab.goto(f"{base}/jobs/{job_id}/targets/0/content")
+    assert resp is not None and resp.status == 200
+    assert "sandbox" in resp.headers["content-security-policy"]
+    assert "fetched" in tab.content()
+    assert tab.evaluate("typeof window.__pwned") == "undefined"
+    assert tab.evaluate("window.origin") == "null"  # an opaque origin: no cookies, no API
+    # What the browser says of the page's blocked script and image (and of the favicon
+    # it looks for) is expected here: the page is a stranger's, not the dashboard.
+    browser.errors.clear()
+
+
 def _raise_hostile() -> batch.Result:
     raise batch.FetchError(HOSTILE, hint=HOSTILE)
 

@@ -347,8 +347,10 @@ def test_content_carries_the_type_fetch_reported(make_all: Make) -> None:
     assert html.headers["Content-Type"] == "text/html; charset=utf-8"
     assert html.get_data() == "<p>é</p>".encode()
     assert html.headers["X-Content-Type-Options"] == "nosniff"
+    assert html.headers["Content-Security-Policy"] == "sandbox; default-src 'none'"
     pic = api.open("GET", f"/jobs/{job_id}/targets/1/content")
     assert (pic.headers["Content-Type"], pic.get_data()) == ("image/png", png)
+    assert pic.headers["Content-Security-Policy"] == "sandbox; default-src 'none'"
 
 
 @pytest.mark.parametrize(
