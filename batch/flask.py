@@ -125,9 +125,22 @@ class APIError(Exception):
         """The error as a JSON response."""
         body = {"error": {"type": self.type, "message": self.message, **self.context}}
         body.update(self.top)  # e.g. 410's "expired_at", beside "error"
-        resp = _json(body, self.status)
+        resp = _json(_utf8_safe(body), self.status)
         resp.headers.update(self.headers)
         return resp
+
+
+def _utf8_safe(value: Any) -> Any:
+    """``value`` with every string in it UTF-8 encodable: an error may echo the request's
+    own text (a field's name), and JSON may spell a lone surrogate (``"\\ud800"``) that
+    no UTF-8 answer can carry; it is named escaped (``\\ud800``), as the error is."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_utf8_safe(k): _utf8_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_utf8_safe(v) for v in value]
+    return value
 
 
 def _json(obj: object, status: int = 200) -> Response:

@@ -364,6 +364,14 @@ def test_body_over_the_limit_is_413(make: Make) -> None:
         ),
         ({"targets": [{"url": "test://a"}, {"url": "test://a"}]}, "invalid_targets", {}),
         ({"targets": [{"url": "test://\u0000"}]}, "invalid_targets", {"field": "url"}),
+        # A name that is no UTF-8 (a lone surrogate) is named escaped, not a 500.
+        ({"targets": [], "\ud800": 1}, "invalid_request", {"field": "\\ud800"}),
+        ({"targets": [{"url": "test://a", "\udfff": 1}]}, "invalid_targets", {"field": "\\udfff"}),
+        (
+            {"targets": [{"url": "test://a", "options": {"\ud800": ""}}]},
+            "invalid_targets",
+            {"field": "options.\\ud800"},
+        ),
     ],
 )
 def test_invalid_requests_are_422_naming_the_fault(
