@@ -86,6 +86,7 @@ _T = TypeVar("_T")
 
 _ORPHAN_BEATS = 3  # an owner is dead after this many missed heartbeats
 _CANCEL_ANNOUNCED = 5.0  # how long a cancelled drain's end waits for cancels' events
+_POLL_MAX = 0.25  # the longest pause between polls of a job drained elsewhere (docs say so)
 _FINISH_PATIENCE = 24 * 3600.0  # seconds on_finish waits for a job's end to be read
 MAX_MESSAGE_LENGTH = 8192  # a stored error or hint, in characters
 _MAX_ID = 64
@@ -1236,7 +1237,7 @@ class Runner:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"job {job_id} did not finish within {timeout} s") from None
                 pause.wait(delay)
-                delay = min(delay * 1.5, 0.5)
+                delay = min(delay * 1.5, _POLL_MAX)
                 continue
             if job is None or drain is not None or job.finished_at is not None:
                 # A drain of ours has ended (even one that could not record it): done.
@@ -1245,7 +1246,7 @@ class Runner:
             if remaining is not None and remaining <= 0:
                 raise TimeoutError(f"job {job_id} did not finish within {timeout} s")
             pause.wait(delay if remaining is None else min(delay, remaining))
-            delay = min(delay * 1.5, 0.5)
+            delay = min(delay * 1.5, _POLL_MAX)
 
     # -- reads for serving results at web scale (HTTP pass-through) ---------------------
 
@@ -1382,7 +1383,7 @@ class Runner:
                 if found is None or not unchanged(found) or left <= 0:
                     return found
                 wake.wait(min(delay, left))
-                delay = min(delay * 1.5, 0.25)
+                delay = min(delay * 1.5, _POLL_MAX)
         finally:
             unsubscribe()
 

@@ -13,6 +13,7 @@ import json
 import logging
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -1095,6 +1096,32 @@ def test_wait_from_a_second_runner_returns_after_the_job_ends(
     assert job is not None
     assert (job.status, job.targets_done) == ("done", 2)
     assert job.finished_at is not None
+
+
+def test_wait_for_a_job_drained_elsewhere_polls_at_least_every_quarter_second(
+    runner: Runner, second_runner: Runner, fake: FakeFetch
+) -> None:
+    """The docs promise an answer within 0.25 s of the end of a job another process
+    drains: the backoff of wait()'s polls stops growing there (it reached 0.5 s)."""
+    fake.block(B)
+    job_id = submit(runner, "alice", A, B)
+    fake.wait_entered(B)
+    polls: list[float] = []
+    read = second_runner.job
+
+    def job(jid: str) -> Any:
+        polls.append(time.monotonic())
+        return read(jid)
+
+    second_runner.job = job  # type: ignore[method-assign]
+    with pytest.raises(TimeoutError):
+        second_runner.wait(job_id, timeout=2.5)
+    fake.release(B)
+    gaps = [b - a for a, b in zip(polls, polls[1:])]
+    assert len(gaps) >= 8, gaps
+    # The last gaps are the capped ones; a little over the cap is the machine's latency.
+    assert max(gaps) < 0.4, gaps
+    assert max(gaps) > 0.2, gaps  # it does back off
 
 
 # -- close ----------------------------------------------------------------------------------
