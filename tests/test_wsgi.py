@@ -6,6 +6,7 @@ job drained by another; status reads the same from every worker.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -145,10 +146,9 @@ def pg_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     return url
 
 
-@pytest.fixture(scope="module")
-def server(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """One gunicorn for the module (start-up is the slow part); tests use their own callers."""
-    tmp_path = tmp_path_factory.mktemp("wsgi")
+@contextlib.contextmanager
+def _gunicorn_serving(pg_url: str, tmp_path: Path, workers: int, *args: str) -> Iterator[Server]:
+    """gunicorn on a free port with the tests' config, ``workers`` workers and ``args``."""
     markers = tmp_path / "markers"
     markers.mkdir()
     listener = socket.socket()
@@ -167,7 +167,8 @@ def server(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
             "--config",
             str(DATA / "gunicorn_conf.py"),
             "--workers",
-            str(WORKERS),
+            str(workers),
+            *args,
             "--bind",
             f"fd://{listener.fileno()}",
             "wsgi_app:app",
@@ -178,7 +179,7 @@ def server(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
     )
     listener.close()
     try:
-        until(lambda: len(list(markers.glob("ready-*"))) == WORKERS or proc.poll() is not None)
+        until(lambda: len(list(markers.glob("ready-*"))) == workers or proc.poll() is not None)
         assert proc.poll() is None, "gunicorn exited"
         yield Server(f"http://127.0.0.1:{port}", markers)
     finally:
@@ -189,6 +190,13 @@ def server(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+
+
+@pytest.fixture(scope="module")
+def server(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One gunicorn for the module (start-up is the slow part); tests use their own callers."""
+    with _gunicorn_serving(pg_url, tmp_path_factory.mktemp("wsgi"), WORKERS) as served:
+        yield served
 
 
 def _jobs(url: str) -> list[dcache.JobRow]:
@@ -327,3 +335,42 @@ def test_conditional_reads_and_content_agree_across_workers(server: Server) -> N
     assert content == b"content of test://w/e"
     assert headers["Content-Type"].startswith("text/plain")
     assert server.raw(f"/jobs/{job_id}/targets/0/content", caller="bob")[0] == 404
+
+
+def test_long_polls_hold_threads_not_the_workers_under_gthread(pg_url: str, tmp_path: Path) -> None:
+    """The documented config (gthread workers): a caller's long polls each hold one of a
+    worker's threads, so others are still served meanwhile. (Under sync workers, as many
+    long polls as workers froze every other request for the whole wait.)"""
+    with _gunicorn_serving(
+        pg_url, tmp_path, 1, "--worker-class", "gthread", "--threads", "4"
+    ) as srv:
+        status, body, _ = srv.request(
+            "POST", "/jobs", {"targets": [{"url": "test://w/lp"}]}, "poller"
+        )
+        assert status == 202
+        job_id = body["job"]["id"]
+        until(lambda: srv.started("lp") != [])
+        polls: list[Any] = []
+        threads = [
+            threading.Thread(
+                target=lambda: polls.append(
+                    srv.request("GET", f"/jobs/{job_id}?wait=20", caller="poller")
+                )
+            )
+            for _ in range(3)
+        ]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)  # the polls are in and waiting
+        started = time.monotonic()
+        status, body, _ = srv.request(
+            "POST", "/jobs", {"targets": [{"url": "test://w/other"}]}, "other"
+        )
+        assert status == 202
+        assert time.monotonic() - started < 10, "a request waited behind the long polls"
+        assert polls == []  # still held
+        srv.go("lp")
+        srv.go("other")
+        for t in threads:
+            t.join(30)
+        assert [(s, b["job"]["status"]) for s, b, _ in polls] == [(200, "done")] * 3
