@@ -1419,6 +1419,11 @@ class Runner:
         ``"restart"`` (see :meth:`dcache.DB.reap_owners`). The maintenance thread calls
         this every heartbeat period; returns how many jobs were failed.
 
+        A token that stood still while this runner's own beats failed or were held up
+        (longer than a period), or while its read of the owners was, is no evidence: a
+        lock held on the database (SQLite's write lock, a process stopped mid-commit)
+        holds every owner's beat alike. The watch then starts over.
+
         Raises:
             dcache.StoreError: the store failed; what was observed so far is forgotten,
                 so no owner is judged on a gap in this runner's own view.
@@ -1429,11 +1434,16 @@ class Runner:
                 # our view is no evidence against them. Start the watch over.
                 self._beat_failed = False
                 self._seen.clear()
+            started = self._mono()
             rows = self._db.owners()
         except BaseException:
             self._seen.clear()
             raise
         now = self._mono()
+        if now - started > self._config.heartbeat.total_seconds():
+            # The read itself waited (behind a lock, a stalled server): so may have the
+            # peers' beats meanwhile. Watch afresh from what it found.
+            self._seen.clear()
         mine = self._stale_after.total_seconds()
         seen: dict[str, tuple[Any, float]] = {}
         dead: dict[str, Any] = {}
@@ -1464,15 +1474,26 @@ class Runner:
         """Beat every period, and nothing else: no other work can delay a beat."""
         period = self._config.heartbeat.total_seconds()
         while not self._stopping.wait(period):
-            try:
-                self._db.heartbeat(self.owner, now=self._clock(), stale_after=self._stale_after)
-            except StoreError as exc:
-                self._beat_failed = True
-                self._store_failed("heartbeat", exc)
-                self._log.warning("heartbeat failed; retrying next period", exc_info=True)
-            except BaseException:
-                self._beat_failed = True
-                self._log.critical("heartbeat crashed; retrying next period", exc_info=True)
+            self._beat_once()
+
+    def _beat_once(self) -> None:
+        """One beat. One that failed, or that took longer than a period (it waited for a
+        lock, a stalled server), tells :meth:`check_owners` to start its watch over:
+        peers' beats may have been held alike."""
+        started = self._mono()
+        try:
+            self._db.heartbeat(self.owner, now=self._clock(), stale_after=self._stale_after)
+        except StoreError as exc:
+            self._beat_failed = True
+            self._store_failed("heartbeat", exc)
+            self._log.warning("heartbeat failed; retrying next period", exc_info=True)
+            return
+        except BaseException:
+            self._beat_failed = True
+            self._log.critical("heartbeat crashed; retrying next period", exc_info=True)
+            return
+        if self._mono() - started > self._config.heartbeat.total_seconds():
+            self._beat_failed = True
 
     def _maintain_loop(self) -> None:
         """Every period: judge peers, end abandoned jobs, settle submissions, purge."""

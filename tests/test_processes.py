@@ -559,6 +559,46 @@ def test_live_jobs_of_a_runner_silent_for_over_three_periods_are_reaped_by_anoth
     assert all(not g.calls for g in world.gates if g is not gate)
 
 
+def test_a_read_or_beat_of_the_judge_held_up_is_no_evidence_against_a_peer(
+    world: World, clock: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lock held on the database (SQLite's write lock taken by another writer, or by a
+    process stopped mid-commit) holds the judge's read and every peer's beat alike: a
+    counter that stood still meanwhile is no evidence, and the watch starts over. A peer
+    that then stays silent for a whole window of the judge's own is still reaped."""
+    gate = world.gate(block_at=0)
+    a = world.runner(clock, gate)
+    job_id, _ = a.submit("c", "test", targets(0, 1))
+    assert gate.reached.wait(10)
+    b = world.runner(clock)  # has watched A once
+    read, beat = world.db.owners, world.db.heartbeat
+
+    def held_read() -> Any:
+        world.mono.advance(PERIOD, 4)  # the read waited behind a lock for four periods
+        return read()
+
+    monkeypatch.setattr(world.db, "owners", held_read)
+    assert b.check_owners() == 0
+    monkeypatch.setattr(world.db, "owners", read)
+    assert job_of(b, job_id).status == "running"
+
+    def held_beat(*args: Any, **kw: Any) -> Any:
+        world.mono.advance(PERIOD, 4)  # the judge's own beat waited as long
+        return beat(*args, **kw)
+
+    monkeypatch.setattr(world.db, "heartbeat", held_beat)
+    b._beat_once()
+    monkeypatch.setattr(world.db, "heartbeat", beat)
+    assert b.check_owners() == 0
+    assert job_of(b, job_id).status == "running"
+    # From here A is silent while the judge's reads and beats go through at once.
+    world.mono.advance(PERIOD, 3)
+    assert b.check_owners() == 0
+    world.mono.advance(dt.timedelta(seconds=1))
+    assert b.check_owners() == 1
+    assert (job_of(b, job_id).status, job_of(b, job_id).error) == ("failed", "restart")
+
+
 @pytest.mark.parametrize("step", [60, -60, 3600, -86400], ids=lambda s: f"step{s:+d}s")
 def test_a_wall_clock_step_never_reaps_a_beating_peer(world: World, clock: Any, step: int) -> None:
     """An NTP step or a VM resume moves wall clocks by minutes: live peers must stay live."""
