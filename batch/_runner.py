@@ -730,14 +730,22 @@ class Runner:
         job_id = drain.job_id
         extra = {"job_id": job_id}
         stopped_early = False
+        period = self._config.heartbeat.total_seconds()
         try:
             with self._db.writer() as writer:
+                fetched = self._mono()
                 for idx, target in enumerate(drain.targets):
                     if drain.stop.is_set():
                         stopped_early = True
                         break
+                    if self._mono() - fetched > period and not self._still_draining(job_id):
+                        # This process stood still (stopped, paused) since its last fetch,
+                        # long enough to be taken for dead: its job was ended meanwhile.
+                        stopped_early = True
+                        break
                     fetch_started = time.monotonic()
                     fields = self._call_fetch(job_id, idx, target)
+                    fetched = self._mono()
                     store_started = time.monotonic()
                     last = idx == len(drain.targets) - 1
                     outcome = self._store(writer, job_id, idx, fields, last=last)
@@ -792,6 +800,15 @@ class Runner:
                 }
                 self._ending[job_id] = drain
             drain.done.set()
+
+    def _still_draining(self, job_id: str) -> bool:
+        """Whether the job is still live (not ended by a reaper or a cancel meanwhile); a
+        read that fails says yes: the next write's compare-and-set tells for sure."""
+        try:
+            job = self._db.get_job(job_id, now=self._clock())
+        except StoreError:
+            return True
+        return job is not None and job.status in LIVE
 
     def _finished(self, drain: _Drain, status: str, error: str = "") -> None:
         """Tell the drain's end, once: close() may tell it for a drain that outlives it."""

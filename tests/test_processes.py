@@ -559,6 +559,42 @@ def test_live_jobs_of_a_runner_silent_for_over_three_periods_are_reaped_by_anoth
     assert all(not g.calls for g in world.gates if g is not gate)
 
 
+def test_a_runner_reaped_while_it_stood_still_starts_no_new_fetch(
+    world: World, clock: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process stopped (SIGSTOP, a VM paused) between two targets for longer than the
+    staleness window is reaped meanwhile: once it resumes, its drain notices the gap on
+    its own monotonic clock, reads the job and starts no fetch of a job already ended
+    (which would then have changed after its end was recorded and announced)."""
+    gate = world.gate()
+    a = world.runner(clock, gate)
+    b = world.runner(clock)
+    write = world.db.write_target
+    reaped: list[int] = []
+
+    def write_then_stand_still(job_id: str, idx: int, **kw: Any) -> Any:
+        outcome = write(job_id, idx, **kw)
+        if idx == 0:
+            # A stands still after storing target 0; B watches it silent, then reaps.
+            world.mono.advance(PERIOD, 2)
+            assert b.check_owners() == 0
+            world.mono.advance(PERIOD, 2)
+            reaped.append(b.check_owners())
+        return outcome
+
+    monkeypatch.setattr(world.db, "write_target", write_then_stand_still)
+    job_id, _ = a.submit("c", "test", targets(0, 1, 2))
+    done = a.wait(job_id, timeout=10)
+    assert reaped == [1]
+    assert done is not None
+    assert (done.status, done.error, done.targets_done) == ("failed", "restart", 1)
+    assert gate.calls == [0]  # target 1 was never fetched
+    found = b.status(job_id)
+    assert found is not None
+    assert found[0] == done  # unchanged since its end was recorded
+    assert_targets(found[1], done=1, total=3)
+
+
 def test_a_read_or_beat_of_the_judge_held_up_is_no_evidence_against_a_peer(
     world: World, clock: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
