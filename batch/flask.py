@@ -780,11 +780,16 @@ def _decoded(escaped: Iterator[bytes]) -> Iterator[str]:
         yield json.loads('"' + carry + '"')
 
 
+_NO_SPACE = str.maketrans("", "", " \t\n\r\f\v")
+"""Deletes ASCII whitespace: base64 from an app's fetch may come in MIME lines."""
+
+
 def _base64_body(pieces: Iterator[str]) -> Iterator[bytes]:
-    """Base64 pieces decoded as they come (each cut at a multiple of 4 characters)."""
+    """Base64 pieces decoded as they come (each cut at a multiple of 4 characters),
+    whitespace (MIME's line breaks) left out."""
     carry = ""
     for piece in pieces:
-        text = carry + piece
+        text = carry + piece.translate(_NO_SPACE)
         cut = len(text) - len(text) % 4
         carry = text[cut:]
         if cut:

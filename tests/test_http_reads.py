@@ -353,6 +353,23 @@ def test_content_carries_the_type_fetch_reported(make_all: Make) -> None:
     assert pic.headers["Content-Security-Policy"] == "sandbox; default-src 'none'"
 
 
+def test_base64_content_wrapped_in_lines_comes_back_as_its_bytes(make_all: Make) -> None:
+    """An app's fetch may store MIME-style base64 (``base64.encodebytes``: a line break
+    every 76 characters, 300 KiB across several of the store's slices): the bytes come
+    back, not the base64 text."""
+    api, runner = make_all()
+    data = bytes(range(256)) * 1200
+
+    def wrapped(target: batch.Target) -> batch.Result:
+        meta = {"content_type": "application/octet-stream", "encoding": "base64"}
+        return batch.Result(base64.encodebytes(data).decode(), meta)
+
+    runner._fetch = wrapped  # type: ignore[attr-defined]
+    job_id = _submit(api, ["test://blob.bin"])
+    runner.wait(job_id, timeout=10)
+    assert api.open("GET", f"/jobs/{job_id}/targets/0/content").get_data() == data
+
+
 @pytest.mark.parametrize(
     ("reported", "sent"),
     [
