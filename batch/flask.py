@@ -423,14 +423,19 @@ class BatchAPI:
         def read(offset: int, size: int) -> bytes:
             data = self.runner.read_result(job_id, index, offset, size)
             if data is None:
-                raise dcache.StoreError(f"the result of target {index} of job {job_id} is gone")
+                raise _ResultGone(f"the result of target {index} of job {job_id} is gone")
             return data
 
-        parts = _content_parts(read)
-        if parts is None:  # not the runner's own layout: decode it whole
-            whole = json.loads(_read_to_end(read, 0))
-            parts = whole.get("meta") or {}, iter([whole.get("content", "")])
-            del whole
+        try:
+            parts = _content_parts(read)
+            if parts is None:  # not the runner's own layout: decode it whole
+                whole = json.loads(_read_to_end(read, 0))
+                parts = whole.get("meta") or {}, iter([whole.get("content", "")])
+                del whole
+        except _ResultGone:
+            # Purged since its row was read, before a byte was sent: answer as a request a
+            # moment later would (410 to its caller).
+            raise self._missing(job_id, caller) from None
         meta, pieces = parts
         ctype = _media_type(meta.get("content_type")) if isinstance(meta, dict) else None
         if isinstance(meta, dict) and meta.get("encoding") == "base64":
@@ -668,6 +673,10 @@ _META_PREFIX = ', "meta": '
 _SLICE = 128 * 1024
 
 _Read = Callable[[int, int], bytes]  # (offset, size) -> those bytes of the stored text
+
+
+class _ResultGone(dcache.StoreError):
+    """The result being read was purged (or replaced) meanwhile."""
 
 
 def _content_parts(read: _Read) -> tuple[Any, Iterator[str]] | None:

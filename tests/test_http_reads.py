@@ -496,6 +496,29 @@ def test_an_expired_job_is_410_to_its_caller_and_404_to_others(
     _error(api.get("0" * 32), 404, "not_found")
 
 
+def test_a_result_purged_before_content_starts_is_410_not_500(
+    api_on: Any, clock: Clock, db: dcache.DB
+) -> None:
+    """Purged between the read of the target's row and the first slice of its result:
+    the answer has not started, so it says what a request a moment later would (410 to
+    the caller), not that the store failed."""
+    api, runner = api_on()
+    job_id = _submit(api, ["test://a"])
+    done = runner.wait(job_id, timeout=10)
+    assert done is not None and done.expires_at is not None
+    read = runner.read_result
+
+    def purged_first(*args: Any, **kw: Any) -> Any:
+        clock.now = done.expires_at + dt.timedelta(seconds=1)
+        db.purge_expired(now=clock())
+        return read(*args, **kw)
+
+    runner.read_result = purged_first  # type: ignore[method-assign]
+    resp = api.open("GET", f"/jobs/{job_id}/targets/0/content")
+    body = _error(resp, 410, "expired")
+    assert body["expired_at"] == done.expires_at.isoformat()
+
+
 # -- each view reads once -----------------------------------------------------------------
 
 
