@@ -146,9 +146,15 @@ class ScriptedFetch:
         self._delays[url] = seconds
 
     def gate(self, url: str) -> Gate:
-        """Hold every fetch of ``url`` until the returned gate is opened."""
-        gate = self._gates.setdefault(url, Gate())
-        return gate
+        """Hold every fetch of ``url`` until the returned gate is opened.
+
+        Asked again while the URL's gate is closed, the same gate; once it has been
+        opened, a new closed one (the next fetch is held again)."""
+        with self._lock:
+            gate = self._gates.get(url)
+            if gate is None or gate.opened.is_set():
+                gate = self._gates[url] = Gate()
+            return gate
 
     # -- the older names the project's own tests use --------------------------------------
 

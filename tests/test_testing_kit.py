@@ -148,6 +148,31 @@ def test_scripted_fetch_delays_raises_and_gates(batch_runner: batch.Runner) -> N
     assert fetch.count() == 3 and fetch.peak == 1
 
 
+def test_gating_a_url_again_after_its_gate_opened_holds_the_next_fetch(
+    batch_runner: batch.Runner,
+) -> None:
+    """``gate(url)`` once more, after the first gate was opened, gives a new closed gate:
+    the next fetch of the URL is held again (it was waved through by the open one, so a
+    test asserted on a job it believed held). Asked twice before opening, it is one gate."""
+    fetch = batch_runner.fetch
+    assert isinstance(fetch, ScriptedFetch)
+    first = fetch.gate(A)
+    assert fetch.gate(A) is first
+    job_id, _ = batch_runner.submit("alice", "free", [{"url": A}])
+    first.wait_entered()
+    first.open()
+    assert batch_runner.wait(job_id, timeout=10) is not None
+    second = fetch.gate(A)
+    assert second is not first and not second.opened.is_set()
+    job_id, _ = batch_runner.submit("bob", "free", [{"url": A}])
+    second.wait_entered()
+    found = batch_runner.status(job_id)
+    assert found is not None and found[0].status == "running"
+    second.open()
+    job = batch_runner.wait(job_id, timeout=10)
+    assert job is not None and job.status == "done"
+
+
 def test_the_plugin_is_active_in_an_apps_test_suite(pytester: pytest.Pytester) -> None:
     """Installed with the package, the fixtures are there without any conftest."""
     pytester.makepyfile(
