@@ -31,15 +31,20 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 # MySQL/MariaDB server error codes that mean "try again": lock wait timeout, deadlock,
-# server gone away / lost connection, too many connections, server shutting down.
-_MYSQL_TRANSIENT = frozenset({1205, 1213, 2002, 2003, 2006, 2013, 1040, 1053, 2055, 4031})
+# server gone away / lost connection, too many connections, server shutting down, and a
+# statement interrupted (KILL QUERY 1317, MariaDB's max_statement_time 1969, MySQL's
+# max_execution_time 3024), which says nothing about its data, as a lock timeout does not.
+_MYSQL_TRANSIENT = frozenset(
+    {1205, 1213, 2002, 2003, 2006, 2013, 1040, 1053, 2055, 4031, 1317, 1969, 3024}
+)
 # The client-side codes among them that mean the connection itself is gone (plus 1927,
 # "connection was killed", and 2014, "commands out of sync", which only a reconnect heals).
 _MYSQL_DISCONNECT = frozenset({1927, 2006, 2013, 2014, 2045, 2055, 4031})
 # PostgreSQL SQLSTATE classes that mean "try again": serialization failure, deadlock,
 # lock not available (lock_timeout), connection exceptions, operator intervention (admin
-# shutdown), insufficient resources.
-_PG_TRANSIENT_PREFIXES = ("40001", "40P01", "55P03", "08", "57P", "53")
+# shutdown; a statement cancelled by statement_timeout or pg_cancel_backend, 57014),
+# insufficient resources.
+_PG_TRANSIENT_PREFIXES = ("40001", "40P01", "55P03", "08", "57P", "57014", "53")
 
 
 class StoreError(Exception):
@@ -157,8 +162,9 @@ def is_transient(exc: BaseException) -> bool:
     """Tell whether a SQLAlchemy or raw DBAPI error is worth retrying.
 
     Lost connections, lock waits that timed out, deadlocks, serialization failures, a
-    server shutting down and an exhausted pool are transient; an error in what was asked
-    (bad SQL, a duplicate key, a read-only file) is not.
+    statement cancelled (a statement timeout, an operator's cancel), a server shutting down
+    and an exhausted pool are transient; an error in what was asked (bad SQL, a duplicate
+    key, a read-only file) is not.
     """
     if isinstance(exc, sa_exc.DBAPIError):
         orig: BaseException | None = exc.orig

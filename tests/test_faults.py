@@ -943,6 +943,42 @@ def test_postgresql_lock_timeout_55p03_is_transient_like_mariadb_1205(postgres_u
     assert type(translated) is dcache.StoreUnavailableError
 
 
+def test_postgresql_statement_timeout_57014_is_transient(postgres_url: str) -> None:
+    """A statement the server cancelled (statement_timeout, an operator's
+    pg_cancel_backend) says nothing about its data: retried, as a lock timeout is, so a
+    drain's fetched result is stored once the wait is over, not thrown away as refused."""
+    with two_connections(postgres_url) as (a, b):
+        a.begin()
+        lock_row(a, "fault-x")
+        b.execute(text("SET statement_timeout = '100ms'"))
+        b.commit()
+        b.begin()
+        with pytest.raises(sa_exc.OperationalError) as info:
+            lock_row(b, "fault-x")
+    assert info.value.orig.sqlstate == "57014"
+    assert type(dcache._errors.translate(info.value)) is dcache.StoreUnavailableError
+
+
+@pytest.mark.parametrize("how", ["max_statement_time", "kill_query"])
+def test_mariadb_interrupted_statement_is_transient(mariadb_url: str, how: str) -> None:
+    """MariaDB's statement timeout (1969) and an operator's KILL QUERY (1317) likewise."""
+    with two_connections(mariadb_url) as (a, b):
+        a.begin()
+        lock_row(a, "fault-x")
+        if how == "max_statement_time":
+            b.execute(text("SET SESSION max_statement_time = 0.2"))
+        b.commit()
+        b.begin()
+        if how == "kill_query":
+            victim = b.execute(text("SELECT CONNECTION_ID()")).scalar()
+            threading.Timer(0.3, lambda: a.execute(text(f"KILL QUERY {int(victim)}"))).start()
+        with pytest.raises(sa_exc.OperationalError) as info:
+            lock_row(b, "fault-x")
+        a.rollback()
+    assert info.value.orig.args[0] == (1969 if how == "max_statement_time" else 1317)
+    assert type(dcache._errors.translate(info.value)) is dcache.StoreUnavailableError
+
+
 def test_a_session_killed_by_the_server_is_transient(postgres_url: str, mariadb_url: str) -> None:
     """A server restart kills every session (57P01 / KILL): the next statement must retry."""
     for url, who, kill in (
