@@ -546,12 +546,25 @@ class GroupWriter:
                 for outcome in pending:
                     outcome.error = err
                 return
+            except StoreError as exc:
+                # The store's own (closed meanwhile: StoreClosedError): told as itself.
+                self._drop()
+                for outcome in pending:
+                    outcome.error = exc
+                return
             except BaseException as exc:
                 # Not a database error: a bug, or an interrupt of the leader thread. The
                 # connection's state is unknown; every outcome is told, none is lost.
                 self._drop()
                 err = StoreError(f"the write of a batch failed: {type(exc).__name__}: {exc}")
                 err.__cause__ = exc
+                current = self._current
+                if current is not None and isinstance(exc, Exception) and len(pending) > 1:
+                    # Raised by this outcome's own statement (its values: a caller's index
+                    # no integer column holds): answer it, retry the rest.
+                    current.error = err
+                    pending = [o for o in pending if o is not current]
+                    continue
                 for outcome in pending:
                     outcome.error = err
                 if not isinstance(exc, Exception):

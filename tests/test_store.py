@@ -1596,6 +1596,43 @@ def test_an_interrupted_leader_answers_its_batch_and_hands_the_writer_on(db: DB)
         assert db.write_target(job.id, 0, status="done", ttl=TTL, now=T0).stored
 
 
+def test_an_outcome_that_breaks_its_own_statement_in_python_fails_alone(db: DB) -> None:
+    """An error that is no database's (a caller's index no integer column holds: SQLite's
+    driver raises OverflowError before sending it) is that outcome's own: it is answered
+    with it, and the others of its batch are committed without it."""
+    jobs_ = [created(db, caller=f"c{i}", n=1) for i in range(4)]
+    hold, holding = threading.Event(), threading.Event()
+
+    def hook(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        if "UPDATE batch_target" in statement and not holding.is_set():
+            holding.set()
+            hold.wait(10)
+
+    outs: dict[str, dcache.WriteOutcome] = {}
+    errors: dict[str, dcache.StoreError] = {}
+    bad = jobs_[2]
+
+    def write(job: JobRow) -> None:
+        idx = 2**64 if job is bad else 0
+        try:
+            outs[job.id] = db.write_target(job.id, idx, status="done", ttl=TTL, now=T0)
+        except dcache.StoreError as exc:
+            errors[job.id] = exc
+
+    with first_write_held(db, jobs_, write, hook, holding, hold) as writers:
+        hold.set()
+        join_all(writers)
+    if db.dialect == "mysql":  # MariaDB compares 2**64 with the column: no such target
+        assert not errors and not outs[bad.id].stored
+    else:
+        assert set(errors) == {bad.id}, errors
+        assert not isinstance(errors[bad.id], dcache.StoreUnavailableError)
+    for job in jobs_:
+        if job is not bad:
+            assert outs[job.id] == dcache.WriteOutcome(True, "done", True)
+    assert job_of(db, bad.id).targets_done == 0
+
+
 def test_closing_the_writer_waits_for_the_commit_under_way(db: DB) -> None:
     """The store's writer gives its connection back only once the batch being committed
     is answered: a close() during a commit waits for it (and is woken when it ends), and
@@ -2306,6 +2343,29 @@ def test_a_closed_store_refuses_every_use_and_opens_no_connection(
     assert getattr(pool, "checkedin", lambda: 0)() == 0
     assert getattr(pool, "checkedout", lambda: 0)() == 0
     db.close()  # still idempotent
+
+
+def test_a_write_under_way_when_the_store_closes_is_told_it_closed(
+    backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Closed after the write passed its own check and before the group writer took a
+    connection for it: the write raises StoreClosedError itself (a drain tells that from
+    a refused result), not a StoreError wrapping it."""
+    db = open_backend(backend, tmp_path)
+    job = created(db, n=1)
+    check = db._check_open
+    closed: list[bool] = []
+
+    def check_then_close() -> None:
+        check()
+        if not closed:
+            closed.append(True)
+            db.close()  # another thread's close(), landing in this very window
+
+    monkeypatch.setattr(db, "_check_open", check_then_close)
+    with pytest.raises(dcache.StoreClosedError, match="closed"):
+        db.write_target(job.id, 0, status="done", result="x", ttl=TTL, now=T0)
+    assert closed == [True]
 
 
 # -- query plans ---------------------------------------------------------------------------
