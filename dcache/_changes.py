@@ -17,7 +17,7 @@ from ._errors import wrap_errors
 from ._outbox import queue_notification
 from ._rows import WriteOutcome
 from ._schema import CANCELLED, LIVE, Status, jobs
-from ._shared import aware_now, check_storable, findable
+from ._shared import aware_now, check_storable, findable, prefixed_id
 from ._writer import GroupWriter
 
 
@@ -159,8 +159,9 @@ class JobChanges:
             "finished_at": now,
         }
         if release_key:
-            # Keys are 64 hex digits: this one can never be looked up.
-            values["idem_key"] = "released:" + job_id
+            # Keys are 64 hex digits: this one can never be looked up (and it fits the
+            # key's column whatever the id's length).
+            values["idem_key"] = prefixed_id("released:", job_id)
         won = conn.execute(
             update(jobs).where(jobs.c.id == job_id, jobs.c.status.in_(LIVE)).values(**values)
         ).rowcount

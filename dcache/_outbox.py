@@ -30,7 +30,7 @@ from sqlalchemy import Connection, bindparam, delete, exists, insert, literal, o
 from ._errors import wrap_errors
 from ._rows import NotificationRow
 from ._schema import DELIVERED, GIVEN_UP, LIVE, UNDELIVERED, UTCDateTime, jobs, outbox
-from ._shared import aware_now, findable
+from ._shared import aware_now, findable, prefixed_id
 
 __all__ = [
     "OutboxQueries",
@@ -56,8 +56,9 @@ _COLUMNS = [
 
 
 def message_id(job_id: str) -> str:
-    """The webhook id of a job's end notification (the same for every attempt)."""
-    return "msg_" + job_id
+    """The webhook id of a job's end notification (the same for every attempt):
+    ``msg_<job id>`` (for a job id over 60 characters, ``msg_`` and a digest of it)."""
+    return prefixed_id("msg_", job_id)  # the id column holds 64 characters
 
 
 def notify_statement(source: Any = jobs) -> Any:

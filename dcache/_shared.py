@@ -8,6 +8,7 @@ always while it is live).
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,6 +52,17 @@ def _unstorable(text: str) -> str | None:
         except UnicodeEncodeError:
             return "is not UTF-8 text (it holds a lone surrogate)"
     return None
+
+
+def prefixed_id(prefix: str, job_id: str, length: int = 64) -> str:
+    """``prefix + job_id``, or, when that would not fit a ``length``-character column (a
+    caller's id of up to 64 characters), ``prefix`` and as many hex digits of the id's
+    SHA-256 as fit: the same for the same id, distinct for distinct ids."""
+    text = prefix + job_id
+    if len(text) <= length:
+        return text
+    digest = hashlib.sha256(job_id.encode("utf-8", "surrogatepass")).hexdigest()
+    return prefix + digest[: length - len(prefix)]
 
 
 def utf8_size(text: str) -> int:

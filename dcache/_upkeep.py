@@ -257,6 +257,9 @@ class Upkeep:
                 ).all()
                 confirmed = [r.id for r in found]
                 if confirmed:
+                    # A job id the store's caller used again after its first job's purge:
+                    # the newer tombstone replaces the older.
+                    conn.execute(delete(tombstones).where(tombstones.c.id.in_(confirmed)))
                     conn.execute(
                         insert(tombstones),
                         [

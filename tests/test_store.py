@@ -2563,6 +2563,43 @@ def test_the_store_keeps_tombstones_for_its_own_tombstone_ttl(db: DB) -> None:
     assert tombstone_count(db) == 0
 
 
+def test_a_job_id_used_again_after_its_purge_is_purged_again(db: DB) -> None:
+    """A caller of the store may choose a job's id: one used again after the first job of
+    that id was purged gets the newer tombstone (the purge failed on the old one, and
+    every purge after it, with the other jobs of its batch)."""
+    first = created(db, n=1, job_id="reused-id")
+    assert db.fail_job(first.id, "x", now=T0)
+    assert db.purge_expired(now=T0 + TTL) == 1
+    later = T0 + TTL + dt.timedelta(hours=1)
+    again = created(db, n=1, job_id="reused-id", now=later)
+    other = created(db, n=1, now=later)
+    for job in (again, other):
+        assert db.fail_job(job.id, "x", now=later)
+    assert db.purge_expired(now=later + TTL) == 2
+    found = db.lookup("reused-id", now=later + TTL)
+    assert (found.state, found.expired_at) == ("expired", later + TTL)
+    assert tombstone_count(db) == 2
+
+
+def test_a_job_id_of_the_columns_full_64_characters_ends_and_releases_its_key(db: DB) -> None:
+    """A job id of 64 characters (a SHA-256 in hex, say): the job's end, whose
+    notification id and released key are made from its id, fits their columns too (on the
+    servers neither did: such a job could not end)."""
+    job = created(db, n=1, job_id="j" * 64)
+    assert db.fail_job(job.id, "drain could not start", now=T0, release_key=True)
+    assert job_of(db, job.id).status == "failed"
+    again = submit(db, key=job.idem_key)
+    assert again.kind == "created"
+    assert again.job is not None and again.job.id != job.id
+    # Ended by its drain's last write too (its notification's id fits its column).
+    other = created(db, n=1, job_id="k" * 64)
+    out = db.write_target(other.id, 0, status="done", result="x", ttl=TTL, now=T0)
+    assert (out.stored, out.status, out.finished) == (True, "done", True)
+    ids = {dcache._outbox.message_id(i) for i in ("j" * 64, "k" * 64, "j" * 60)}
+    assert len(ids) == 3 and all(len(i) <= 64 and i.startswith("msg_") for i in ids)
+    assert dcache._outbox.message_id("j" * 60) == "msg_" + "j" * 60
+
+
 def test_a_lapsed_job_not_yet_purged_answers_as_its_tombstone_would(db: DB) -> None:
     """Purge's progress does not change the answer: a job lapsed longer ago than the
     tombstone period is unknown, deleted or not."""
