@@ -7,7 +7,8 @@ to check) and for scripts everywhere else (piped or ``--json``: JSON lines, unch
 Exit statuses: 0 success (``run``: the job is done); 1 the job ended partial, failed or
 cancelled, the job asked for does not exist, or the database failed in a way a retry will
 not fix; 2 bad input or usage (a --db URL that is wrong, not unreachable, included); 75 busy
-or the database unavailable (retry later); 130 interrupted (``run`` cancels its job first).
+or the database unavailable (retry later); 130 interrupted (``run`` cancels its job first;
+SIGTERM and SIGHUP do the same, exiting 143 and 129).
 
 ``run`` fetches with the library's :class:`~batch.fetchers.Fetcher` built for the
 machine's own user: ``file:`` URLs and private and loopback addresses allowed (a web app
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import contextlib
 import datetime as dt
 import importlib
 import json
@@ -57,7 +59,7 @@ from ._errors import (
     SubmitError,
     TooManyTargetsError,
 )
-from ._runner import Fetch, Runner, _job, _target_status
+from ._runner import _ORPHAN_BEATS, Fetch, Runner, _job, _target_status
 from ._values import Checked, Job, TargetStatus
 from .fetchers import Fetcher
 
@@ -217,7 +219,9 @@ def _load_fetch(spec: str) -> Fetch:
 def _say(message: str) -> None:
     for secret in sorted(_secrets, key=len, reverse=True):
         message = message.replace(secret, "***")
-    print(f"batch: {message}", file=sys.stderr, flush=True)
+    # stderr may be gone (a hung-up terminal): saying so must not stop what follows.
+    with contextlib.suppress(OSError):
+        print(f"batch: {message}", file=sys.stderr, flush=True)
 
 
 def redact_url(url: str) -> str:
@@ -333,29 +337,58 @@ def _progress(job: Job, enabled: bool) -> _Bar:
     return _TqdmBar(tqdm, job)
 
 
-# -- Ctrl-C --------------------------------------------------------------------------------
+# -- Ctrl-C, SIGTERM, SIGHUP ---------------------------------------------------------------
 
 
 class _Interrupts:
-    """SIGINT handling for ``run``: the handler counts, the main loop acts.
+    """SIGINT, SIGTERM and SIGHUP handling for ``run``: the handler counts, the main loop
+    acts.
 
-    The first Ctrl-C cancels the job (the target in flight is stored); a second one,
+    The first signal cancels the job (the target in flight is stored); a second one,
     however quick, still cancels it and then leaves without waiting. The handler itself
-    never raises, so a Ctrl-C cannot cut the cancel's own transaction short; only a
-    third one, for a main thread stuck elsewhere, raises ``KeyboardInterrupt``.
+    never raises, so a signal cannot cut the cancel's own transaction short; only a
+    third one, for a main thread stuck elsewhere, raises ``KeyboardInterrupt``. SIGTERM
+    (a service manager's stop, ``kill``) and SIGHUP (the terminal closed) act as Ctrl-C
+    does: dying on them left the job ``running`` with nobody draining it, and its caller
+    refused as busy on every retry. A SIGHUP ignored when the CLI started (``nohup``)
+    stays ignored. The exit status is 128 plus the first signal's number, as shells
+    report a death by it.
 
     Python runs a handler once for signals that arrive before it gets to run (two quick
     Ctrl-Cs while the main thread waits on a lock look like one), so the count comes
     from the wakeup fd, where the C-level handler writes one byte per delivery.
     """
 
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
     def __init__(self, args: argparse.Namespace) -> None:
         self.asked = threading.Event()
         self.count = 0
+        self.signum: int | None = None
+        """The first signal received (it sets the exit status)."""
         self._args = args
-        self._previous: Any = None
+        self._previous: dict[int, Any] = {}
         self._previous_fd = -1
         self._pipe: tuple[int, int] | None = None
+
+    @property
+    def exit_status(self) -> int:
+        """128 + the first signal's number (130 for Ctrl-C)."""
+        return 128 + (self.signum if self.signum is not None else signal.SIGINT)
+
+    @property
+    def what(self) -> str:
+        """What happened, in words: ``interrupted`` for Ctrl-C, else the signal's name."""
+        if self.signum is None or self.signum == signal.SIGINT:
+            return "interrupted"
+        return f"got {signal.Signals(self.signum).name}"
+
+    @property
+    def again(self) -> str:
+        """How to leave without waiting for the target in flight."""
+        if self.signum is None or self.signum == signal.SIGINT:
+            return "Ctrl-C again to leave now"
+        return f"send {signal.Signals(self.signum).name} again to leave now"
 
     def _delivered(self) -> int:
         if self._pipe is None:
@@ -368,9 +401,11 @@ class _Interrupts:
                 return n
             if not data:
                 return n
-            n += data.count(signal.SIGINT)
+            n += sum(data.count(sig) for sig in self._previous)
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is None:
+            self.signum = signum
         delivered = self._delivered()
         if delivered == 0:
             return  # its byte was counted by the call before this one
@@ -387,12 +422,16 @@ class _Interrupts:
             os.set_blocking(write_end, False)
             self._pipe = (read_end, write_end)
             self._previous_fd = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
-            self._previous = signal.signal(signal.SIGINT, self)
+            for sig in self.SIGNALS:
+                if sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN:
+                    continue  # nohup: the user asked to outlive the terminal
+                self._previous[sig] = signal.signal(sig, self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
         if self._pipe is not None:
             signal.set_wakeup_fd(self._previous_fd)
             for fd in self._pipe:
@@ -529,8 +568,34 @@ def _cmd_run(args: argparse.Namespace) -> int:
         try:
             return _with_runner(args, fetch, lambda r: _run_job(r, args, items, interrupts, show))
         except KeyboardInterrupt:
-            _say("interrupted three times: leaving at once")
-            return EXIT_INTERRUPTED
+            _say(f"{interrupts.what} three times: leaving at once")
+            return interrupts.exit_status
+
+
+def _stopped_owners(runner: Runner, owners: set[str]) -> dict[str, str]:
+    """Which of ``owners`` have stopped beating, each with how it shows (a few words).
+
+    A runner that is gone left no row (or its row was removed); one killed (SIGKILL, a
+    crash, a lost machine) left a row whose last beat is older than the window it
+    declared. That second judgement compares its beat's time with this machine's wall
+    clock, which runners never do before failing a peer's jobs; here it only chooses
+    what advice to give a person, who decides.
+    """
+    try:
+        rows = {r.owner: r for r in runner.db.owners()}
+    except dcache.StoreError:
+        return {}  # only advice: the busy message is said without it
+    now = dcache.utcnow()
+    stopped: dict[str, str] = {}
+    for owner in owners:
+        row = rows.get(owner)
+        if row is None or not row.present or row.heartbeat_at is None:
+            stopped[owner] = "it is gone"
+            continue
+        window = row.stale_after or runner.config.heartbeat * _ORPHAN_BEATS
+        if now - row.heartbeat_at > window:
+            stopped[owner] = f"last beat {when(row.heartbeat_at)} by this machine's clock"
+    return stopped
 
 
 def _busy(runner: Runner, args: argparse.Namespace, exc: SubmitError) -> None:
@@ -540,11 +605,23 @@ def _busy(runner: Runner, args: argparse.Namespace, exc: SubmitError) -> None:
         if not holders:  # it ended in between: a retry will go through
             _say(f"{exc}; retry now")
             return
+        stopped = _stopped_owners(runner, {j.owner for j in holders})
         held = "; ".join(
             f"job {j.id} is {j.status} ({j.targets_done}/{j.targets_total} target(s) "
-            f"stored, lease until {when(j.expires_at)} unless it stores another)"
+            + (
+                f"stored), but its runner stopped beating ({stopped[j.owner]}): nothing drains it"
+                if j.owner in stopped
+                else f"stored, lease until {when(j.expires_at)} unless it stores another)"
+            )
             for j in holders
         )
+        dead = [j.id for j in holders if j.owner in stopped]
+        if dead:
+            _say(
+                f"caller {args.caller!r} is busy: {held}. Stop it with `batch cancel "
+                f"{dead[0]}` and run again, or submit as another --caller"
+            )
+            return
         first = holders[0].id
         _say(
             f"caller {args.caller!r} is busy: {held}. Follow it with `batch status --watch "
@@ -669,29 +746,36 @@ def _interrupted(
     runner: Runner, args: argparse.Namespace, job_id: str, interrupts: _Interrupts
 ) -> int:
     args.close_timeout = 0  # the drain is stopping; do not wait for more
-    # Cancel first, however many Ctrl-Cs came: leaving must never leave the job running.
+    # Cancel first, however many signals came: leaving must never leave the job running.
     cancelled = runner.cancel(job_id)
     state = f"job {job_id} cancelled" if cancelled else f"job {job_id} had already ended"
+    what = interrupts.what
     if interrupts.count >= 2:
-        _say(f"interrupted twice: {state}; leaving without waiting for the target in flight")
-        return EXIT_INTERRUPTED
+        _say(f"{what} twice: {state}; leaving without waiting for the target in flight")
+        return interrupts.exit_status
     if cancelled:
-        _say(f"interrupted: {state}; storing the target in flight (Ctrl-C again to leave now)")
+        _say(f"{what}: {state}; storing the target in flight ({interrupts.again})")
     else:
-        _say(f"interrupted: {state}")
+        _say(f"{what}: {state}")
     job: Job | None = None
     while job is None:
         if interrupts.count >= 2:
-            _say(f"interrupted again: {state}; leaving without waiting for the target in flight")
-            return EXIT_INTERRUPTED
+            _say(f"{what} again: {state}; leaving without waiting for the target in flight")
+            return interrupts.exit_status
         try:
             job = runner.wait(job_id, timeout=_POLL)
         except TimeoutError:
             continue
         if job is None:
             break
-    _report(runner, args, job_id)
-    return EXIT_INTERRUPTED
+    try:
+        _report(runner, args, job_id)
+    except BrokenPipeError:
+        raise  # the reader went away: main() stops quietly
+    except OSError:
+        pass  # after a SIGHUP the terminal may be gone; the job's state is stored
+
+    return interrupts.exit_status
 
 
 # -- status, cancel, jobs, purge ---------------------------------------------------------------
@@ -890,7 +974,7 @@ exit statuses:
        database failed in a way a retry will not fix
   2    bad input or usage (a --db URL that is wrong, not unreachable, included)
   75   busy, or the database is unavailable: retry later
-  130  interrupted (run cancels its job first)
+  130  interrupted (run cancels its job first); 143 for SIGTERM, 129 for SIGHUP
 
 examples:
   batch run urls.txt                       a table on a terminal, JSON lines when piped
@@ -915,7 +999,8 @@ also writes each result's content to a file per target (NN-name; .bin for binary
 Running the same file again while the job's lease holds reuses the job: its stored
 results are shown without fetching again. Ctrl-C cancels the job (the target in flight
 is stored) and exits 130; a second Ctrl-C, however quick, cancels it too and exits
-without waiting for the target in flight.
+without waiting for the target in flight. SIGTERM and SIGHUP do the same (exit 143,
+129); a SIGHUP ignored at the start (nohup) stays ignored.
 
 The default fetcher reads file: URLs and reaches private and loopback addresses (this
 machine's user is trusted); a web app's default (batch.fetchers:fetch) allows neither.

@@ -80,7 +80,7 @@ def spawn(
     return subprocess.Popen(
         [*program, *args],
         env=env,
-        preexec_fn=default_sigint,  # the tests' SIGINT is a Ctrl-C
+        preexec_fn=kw.pop("preexec_fn", default_sigint),  # the tests' SIGINT is a Ctrl-C
         stdin=subprocess.DEVNULL,
         stdout=kw.pop("stdout", subprocess.PIPE),
         stderr=kw.pop("stderr", subprocess.PIPE),
@@ -599,6 +599,64 @@ def test_second_ctrl_c_leaves_at_once_with_the_job_cancelled(
         Path(env["BATCH_TEST_GO"]).touch()
         proc.kill()
     assert proc.returncode == 130, err
+    assert only_job(env).status == "cancelled"
+    assert fetched(env) == ["test://x/a"]
+
+
+def _default_signals() -> None:
+    """``preexec_fn``: SIGINT, SIGTERM and SIGHUP at their default actions, whatever the
+    test runner inherited (``nohup`` ignores SIGHUP, a background job SIGINT)."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_sigterm_or_sighup_cancels_the_job_stores_the_target_in_flight_and_exits_128_plus_it(
+    env: dict[str, str], tmp_path: Path, sig: signal.Signals
+) -> None:
+    """A service manager's stop (SIGTERM) or a closed terminal (SIGHUP) must not leave the
+    job running with nobody draining it: the caller would be refused as busy on every retry."""
+    targets = write(tmp_path / "t.txt", "test://x/a", "test://x/b", "test://x/c")
+    proc = spawn(env, "run", "--fetch", "cli_fetch:blocking", targets, preexec_fn=_default_signals)
+    try:
+        until(lambda: _started(tmp_path, "a"))
+        proc.send_signal(sig)
+        until(lambda: only_job(env).status == "cancelled")
+        Path(env["BATCH_TEST_GO"]).touch()  # let the target in flight finish
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + sig, err
+    assert sig.name in err
+    assert "Traceback" not in err
+    assert [t["status"] for t in lines(out)] == ["done", "pending", "pending"]
+    job = only_job(env)
+    assert job.status == "cancelled"
+    assert job.finished_at is not None
+    assert fetched(env) == ["test://x/a"]
+    # The caller's slot is free again: the same caller runs another file at once.
+    again = cli(env, "run", "--fetch", "cli_fetch:counting", write(tmp_path / "u.txt", "test://y"))
+    assert again.returncode == 0, again.stderr
+
+
+def test_a_second_sigterm_leaves_at_once_with_the_job_cancelled(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """As a second Ctrl-C: a stuck fetch is not waited for, and the job is not left running."""
+    targets = write(tmp_path / "t.txt", "test://x/a", "test://x/b")
+    proc = spawn(env, "run", "--fetch", "cli_fetch:blocking", targets, preexec_fn=_default_signals)
+    try:
+        until(lambda: _started(tmp_path, "a"))
+        proc.send_signal(signal.SIGTERM)
+        until(lambda: only_job(env).status == "cancelled")
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=30)
+    finally:
+        Path(env["BATCH_TEST_GO"]).touch()
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "leaving without waiting" in err
+    assert "Traceback" not in err
     assert only_job(env).status == "cancelled"
     assert fetched(env) == ["test://x/a"]
 
@@ -1386,6 +1444,49 @@ def test_a_busy_caller_is_told_which_job_holds_the_cap_and_until_when(
             assert "Traceback" not in busy.stderr
         finally:
             fetch.gate.set()
+
+
+def test_a_caller_held_by_a_dead_runs_job_is_told_its_runner_stopped_and_to_cancel(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """A SIGKILLed ``run`` leaves its job running until a runner watches it for a whole
+    staleness window, which no short CLI run does: the busy message must say the holder's
+    runner stopped beating and that ``batch cancel ID`` frees the caller."""
+    targets = write(tmp_path / "t.txt", "test://x/a", "test://x/b")
+    proc = spawn(env, "run", "--fetch", "cli_fetch:blocking", targets)
+    try:
+        until(lambda: _started(tmp_path, "a"))
+    finally:
+        proc.kill()  # SIGKILL: no handler runs, the job stays running
+        proc.communicate(timeout=30)
+    holder = only_job(env)
+    assert holder.status == "running"
+    other = write(tmp_path / "u.txt", "test://y")
+    busy = cli(env, "run", "--fetch", "cli_fetch:counting", other)
+    assert busy.returncode == 75, busy.stderr
+    assert "stopped" not in busy.stderr  # it beat a moment ago: no verdict yet
+    # An hour later (moved in the database rather than waited for): no beat since.
+    with sqlite3.connect(make_url(env["BATCH_DB"]).database or "") as conn:
+        conn.execute(
+            "UPDATE batch_owner SET heartbeat_at = datetime(heartbeat_at, '-1 hour'),"
+            " stale_at = datetime(stale_at, '-1 hour')"
+        )
+    busy = cli(env, "run", "--fetch", "cli_fetch:counting", other)
+    assert busy.returncode == 75, busy.stderr
+    line = _one_line_error(busy)
+    assert f"job {holder.id} is running" in line
+    assert "its runner stopped beating" in line
+    assert f"batch cancel {holder.id}" in line
+    # Its runner's row gone altogether (a runner that stopped and removed it): the same.
+    with sqlite3.connect(make_url(env["BATCH_DB"]).database or "") as conn:
+        conn.execute("DELETE FROM batch_owner")
+    busy = cli(env, "run", "--fetch", "cli_fetch:counting", other)
+    assert busy.returncode == 75, busy.stderr
+    assert "its runner stopped beating" in _one_line_error(busy)
+    # And the advice works: cancel it, run again.
+    assert cli(env, "cancel", holder.id).returncode == 0
+    again = cli(env, "run", "--fetch", "cli_fetch:counting", other)
+    assert again.returncode == 0, again.stderr
 
 
 def _closed_port() -> int:
