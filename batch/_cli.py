@@ -536,8 +536,12 @@ class StoreReader:
 
 
 def _with_store(args: argparse.Namespace, body: Callable[[StoreReader], int]) -> int:
-    """Open the store (not a runner), run ``body``, close it; map store failures."""
-    db = _open_db(args)
+    """Open the store (not a runner), run ``body``, close it; map store failures.
+
+    The store is opened without creating or upgrading anything (``create=False``): a
+    database with no store, or a store of another version, is refused as it is.
+    """
+    db = _open_db(args, create=False)
     if isinstance(db, int):
         return db
     try:

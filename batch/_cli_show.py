@@ -22,7 +22,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import registry
 from sqlalchemy.engine import make_url
 
-from dcache import StoreError
+from dcache import NoStoreError, StoreError
 
 from ._values import Job, Result, TargetStatus
 
@@ -336,7 +336,8 @@ def _driver_missing(url: str, shown_url: str, exc: ImportError) -> str:
 def explain_open_failure(url: str, shown_url: str, exc: BaseException) -> OpenFailure:
     """One line: which database could not be opened, why, and what to check; and whether
     the URL itself is at fault (an unknown dialect or driver, a driver not installed, an
-    option the driver refuses) rather than the server or the file it names."""
+    option the driver refuses, a place that holds no store) rather than the server or the
+    file it names."""
     cause = _cause(exc)
     low = cause.lower()
     try:
@@ -353,6 +354,19 @@ def explain_open_failure(url: str, shown_url: str, exc: BaseException) -> OpenFa
     missing = next((e for e in chain if isinstance(e, ImportError)), None)
     if missing is not None:
         return OpenFailure(_driver_missing(url, shown_url, missing), True)
+    if any(isinstance(e, NoStoreError) for e in chain):
+        folder = str(Path(database).parent) if database else "."
+        if backend == "sqlite" and database and not Path(folder).is_dir():
+            detail = f"the folder {folder!r} does not exist (nothing was created)"
+        elif backend == "sqlite" and database and not Path(database).exists():
+            detail = f"the file {database!r} does not exist (nothing was created)"
+        else:
+            detail = "the database holds none of its tables (nothing was created)"
+        return OpenFailure(
+            f"no batch store at {shown_url}: {detail}; check --db or $BATCH_DB "
+            "(`batch run` and `batch purge` create the store)",
+            True,
+        )
     options = "check the options after '?' in the URL" if u.query else "check the URL"
     if not isinstance(exc, StoreError):
         # Not a database failure (the store translates every one of those): the URL's

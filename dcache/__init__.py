@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ._db import DB, Writer, utcnow
 from ._errors import (
+    NoStoreError,
     PoolExhaustedError,
     ResultTooLargeError,
     SchemaVersionError,
@@ -53,6 +54,7 @@ __all__ = [
     "JobStream",
     "Lookup",
     "NewTarget",
+    "NoStoreError",
     "NotificationRow",
     "OwnerRow",
     "PoolExhaustedError",

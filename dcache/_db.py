@@ -10,6 +10,7 @@ import secrets
 import sqlite3
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Connection, Engine, Integer, create_engine, text
@@ -24,12 +25,20 @@ from ._changes import JobChanges
 from ._checkpoint import Checkpointer
 from ._ddl import SchemaSetup
 from ._engine import WRITE_OPTION, prepare_engine
-from ._errors import ResultTooLargeError, StoreClosedError, StoreError, wrap_errors
+from ._errors import (
+    NoStoreError,
+    ResultTooLargeError,
+    StoreClosedError,
+    StoreError,
+    translate,
+    wrap_errors,
+)
 from ._outbox import OutboxQueries
 from ._prepared import Prepared
 from ._queries import JobReads
 from ._reads import WebReads
 from ._rows import WriteOutcome
+from ._schema import meta
 from ._shared import JOB_COLS, Q_STATUS, Q_STATUS_BRIEF, TARGET_COLS, utcnow
 from ._submit import SubmitQueries
 from ._upkeep import MAX_TOMBSTONE_TTL, TOMBSTONE_TTL, Upkeep
@@ -124,6 +133,38 @@ def _pgbouncer_flag(url: URL, flag: bool) -> tuple[URL, bool]:
     return url.difference_update_query(["pgbouncer"]), flag or _BOOL[value]
 
 
+def _sqlite_store_exists(url: URL) -> None:
+    """(``DB.open(create=False)`` on a SQLite file.) Refuse a missing file before SQLite
+    creates it, and a file without a store before the engine's connections switch it to
+    WAL: a read-only look (``mode=ro``) changes nothing. The version is checked after,
+    as on every backend. A URL in SQLite's own URI form (``?uri=true``) is left to it.
+
+    Raises:
+        NoStoreError: no such file, or no store's tables in it.
+        StoreError: SQLite cannot read it (a folder, not a database, no permission).
+    """
+    if "uri" in url.query or url.database is None:
+        return
+    path = Path(url.database)
+    shown = repr(url.render_as_string(hide_password=True))
+    if not path.exists():
+        raise NoStoreError(
+            f"no batch store at {shown}: the file {str(path)!r} does not exist (nothing was "
+            "created); check the URL"
+        )
+    try:
+        with contextlib.closing(
+            sqlite3.connect(path.absolute().as_uri() + "?mode=ro", uri=True)
+        ) as conn:
+            found = conn.execute(sql.SQLITE_HAS_TABLE, (meta.name,)).fetchone()
+    except sqlite3.Error as exc:
+        raise translate(exc) from exc
+    if found is None:
+        raise NoStoreError(
+            f"no batch store in {shown}: the file holds no table {meta.name}; check the URL"
+        )
+
+
 def _escaped_size(text: str) -> int:
     """Bytes of ``text`` once PyMySQL has escaped it into a statement."""
     return len(text.encode("utf-8")) + sum(text.count(c) for c in _MYSQL_ESCAPED)
@@ -187,8 +228,9 @@ class DB(
 
     Build it with :meth:`open` (the store owns and disposes the engine), :meth:`memory`
     (in-memory SQLite for tests), or ``DB(engine)`` (the caller owns the engine). The
-    schema is created on construction if missing; doing so from several processes at
-    once is safe.
+    schema is created on construction if missing (and an older one upgraded); doing so
+    from several processes at once is safe. With ``create=False`` nothing is created or
+    changed: the store must be there, of exactly this version.
 
     Every public method is one transaction and translates database failures into
     :class:`dcache.StoreError` (``StoreUnavailableError`` for transient ones).
@@ -200,6 +242,7 @@ class DB(
         *,
         io_timeout: float | None = None,
         tombstone_ttl: dt.timedelta = TOMBSTONE_TTL,
+        create: bool = True,
         _owns_engine: bool = False,
         _keeper: sqlite3.Connection | None = None,
     ) -> None:
@@ -222,6 +265,10 @@ class DB(
                 years at most). The attribute of the same name may be changed later. It is
                 not stored in the database: give every process that purges (runners, and
                 ``batch purge``, which uses the default) the same period.
+            create: create the schema if missing and upgrade an older one (the default).
+                ``False`` runs no DDL: the database must hold a store of exactly this
+                version, else :class:`NoStoreError` (no store there) or
+                :class:`SchemaVersionError` (older or newer) is raised, nothing changed.
         """
         self.tombstone_ttl = _check_tombstone_ttl(tombstone_ttl)
         self._owns_engine = _owns_engine
@@ -259,7 +306,10 @@ class DB(
         self._result_room = 0
         self._escapes = False
         try:
-            self._create_schema()
+            if create:
+                self._create_schema()
+            else:
+                self._check_schema()
             self._read_limits()
         except BaseException:
             _OPEN.discard(self)
@@ -279,6 +329,7 @@ class DB(
         io_timeout: float | None = 10.0,
         pgbouncer: bool = False,
         tombstone_ttl: dt.timedelta = TOMBSTONE_TTL,
+        create: bool = True,
         **engine_options: Any,
     ) -> DB:
         """Open (and create if needed) the store at a SQLAlchemy URL.
@@ -309,6 +360,12 @@ class DB(
                 session-level: see :doc:`/deployment`.
             tombstone_ttl: how long a purged job's id answers "expired" (HTTP ``410``)
                 rather than "unknown" (``404``) after its lease lapsed; 7 days by default.
+            create: create the schema if missing and upgrade an older one (the default).
+                ``False``, for tools that must change no database (``batch status``,
+                ``jobs``, ``cancel``): no DDL runs and no SQLite file is created; a
+                database without a store raises :class:`NoStoreError`, one of another
+                schema version :class:`SchemaVersionError`. A SQLite file is first looked
+                at read-only, so a file that is not a store is left exactly as it was.
             **engine_options: passed to :func:`sqlalchemy.create_engine`
                 (``connect_args`` are merged with the store's). The store's pool holds 8
                 connections and up to 24 more on the servers (56 on SQLite), pings a
@@ -327,7 +384,7 @@ class DB(
         try:
             if u.get_backend_name() == "sqlite":
                 if u.database in (None, "", ":memory:"):
-                    store = cls._memory(busy_timeout, engine_options)
+                    store = cls._memory(busy_timeout, engine_options, create=create)
                     store.tombstone_ttl = tombstone_ttl
                     return store
                 opts: dict[str, Any] = dict(_SQLITE_POOL)
@@ -355,7 +412,21 @@ class DB(
             )
         except sa_exc.SQLAlchemyError as exc:
             raise StoreError(f"cannot open {u!r}: {exc}") from exc
-        return cls(engine, io_timeout=io_timeout, tombstone_ttl=tombstone_ttl, _owns_engine=True)
+        if not create and engine.dialect.name == "sqlite":
+            # After create_engine (which connects to nothing), so that an unknown driver
+            # is reported as such, and before any connection is made.
+            try:
+                _sqlite_store_exists(u)
+            except BaseException:
+                engine.dispose()
+                raise
+        return cls(
+            engine,
+            io_timeout=io_timeout,
+            tombstone_ttl=tombstone_ttl,
+            create=create,
+            _owns_engine=True,
+        )
 
     @classmethod
     def memory(cls) -> DB:
@@ -368,7 +439,9 @@ class DB(
         return cls._memory(30.0, {})
 
     @classmethod
-    def _memory(cls, busy_timeout: float, engine_options: dict[str, Any]) -> DB:
+    def _memory(
+        cls, busy_timeout: float, engine_options: dict[str, Any], *, create: bool = True
+    ) -> DB:
         name = f"/dcache-{secrets.token_hex(8)}"
         uri = f"file:{name}?vfs=memdb"
         keeper = sqlite3.connect(uri, uri=True, check_same_thread=False)
@@ -383,7 +456,8 @@ class DB(
             keeper.close()
             raise
         prepare_engine(engine, io_timeout=None, busy_timeout=busy_timeout)
-        return cls(engine, _owns_engine=True, _keeper=keeper)
+        # A failing DB() disposes of what it was given, the keeper included.
+        return cls(engine, create=create, _owns_engine=True, _keeper=keeper)
 
     @property
     def engine(self) -> Engine:

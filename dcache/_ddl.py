@@ -18,7 +18,7 @@ from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.schema import CreateColumn
 
 from . import _sql as sql
-from ._errors import SchemaVersionError, StoreError, wrap_errors
+from ._errors import NoStoreError, SchemaVersionError, StoreError, wrap_errors
 from ._schema import GLOBAL_LOCK, NOPAD_COLLATIONS, SCHEMA_VERSION, locks, meta, metadata
 
 log = logging.getLogger("dcache")
@@ -170,11 +170,51 @@ class SchemaSetup:
             conn.execute(insert(locks).values(name=GLOBAL_LOCK))
 
     @wrap_errors
+    def _check_schema(self) -> None:
+        """(``create=False``.) Refuse a database whose schema is not exactly this
+        version's, running no DDL and writing nothing.
+
+        Raises:
+            NoStoreError: the store's tables are not there (or no version is recorded).
+            SchemaVersionError: the schema is older (a writer must upgrade it first) or
+                newer (upgrade the library) than this dcache's.
+        """
+        with self._read() as conn:
+            if not sa_inspect(conn).has_table(meta.name):
+                raise NoStoreError(
+                    f"no batch store in {_where(conn)}: table {meta.name} is missing; "
+                    "check the URL (opening the store to write creates one)"
+                )
+            found = _read_version(conn)
+        if found is None:
+            raise NoStoreError(
+                f"no batch store in {_where(conn)}: table {meta.name} records no schema "
+                "version (its creation did not finish); opening it to write completes it"
+            )
+        if found > SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"database schema version {found} is newer than this dcache's "
+                f"{SCHEMA_VERSION}: upgrade the library"
+            )
+        if found < SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"database schema version {found} is older than this dcache's "
+                f"{SCHEMA_VERSION}, and this reader changes nothing: a writer of version "
+                f"{SCHEMA_VERSION} (a runner, or DB.open without create=False) must "
+                "upgrade it first"
+            )
+
+    @wrap_errors
     def schema_version(self) -> int:
         """The schema version recorded in the database."""
         with self._read() as conn:
             found = _read_version(conn)
         return 0 if found is None else found
+
+
+def _where(conn: Connection) -> str:
+    """The database a connection is on, password hidden, for a message."""
+    return repr(conn.engine.url.render_as_string(hide_password=True))
 
 
 def _read_version(conn: Connection) -> int | None:

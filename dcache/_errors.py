@@ -19,6 +19,7 @@ from typing import ParamSpec, TypeVar
 from sqlalchemy import exc as sa_exc
 
 __all__ = [
+    "NoStoreError",
     "PoolExhaustedError",
     "ResultTooLargeError",
     "SchemaVersionError",
@@ -66,6 +67,11 @@ class StoreClosedError(StoreError):
 class SchemaVersionError(StoreError):
     """The database holds a schema this version of dcache cannot use: a newer one, or a
     version row that is not a number (nothing is changed in the database first)."""
+
+
+class NoStoreError(StoreError):
+    """There is no store where ``DB.open(..., create=False)`` looked (no SQLite file, or
+    no store's tables in the database); nothing was created there."""
 
 
 class ResultTooLargeError(StoreError, ValueError):

@@ -8,6 +8,8 @@ and compiled per dialect. What is left is spelled here, once, each with its reas
   write lock up front, as ``FOR UPDATE`` renders nothing on SQLite). Core has no
   construct for either.
 - MySQL/MariaDB server variables and the catalog of collations, read once per store.
+- SQLite's catalog, looked at read-only on a raw connection before ``DB.open(...,
+  create=False)`` builds an engine, whose connections would switch the file to WAL.
 - SQLite's WAL checkpoints, moved off the write path (see ``dcache._checkpoint``).
 - ``ALTER TABLE ... ADD COLUMN``: Core compiles the column (``CreateColumn``) but has no
   statement that adds one to an existing table (that is Alembic's job, too heavy here).
@@ -23,6 +25,7 @@ __all__ = [
     "SQLITE_CHECKPOINT",
     "SQLITE_COMMIT",
     "SQLITE_ENCODING",
+    "SQLITE_HAS_TABLE",
     "SQLITE_JOURNAL_MODE",
     "SQLITE_ROLLBACK",
     "SQLITE_SHRINK_MEMORY",
@@ -44,6 +47,8 @@ SQLITE_ENCODING = "PRAGMA encoding"
 # Give back the connection's unused page cache: after a slice of a large value is read,
 # so its pages do not stay cached (up to 2 MiB a connection) for a value read once.
 SQLITE_SHRINK_MEMORY = "PRAGMA shrink_memory"
+# Whether a file holds a table of this name (one parameter), on a raw sqlite3 connection.
+SQLITE_HAS_TABLE = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
 # A checkpoint that waits for no reader or writer (see dcache._checkpoint).
 SQLITE_CHECKPOINT = "PRAGMA wal_checkpoint(PASSIVE)"
 

@@ -864,16 +864,28 @@ def test_db_option_and_environment(
     """--db goes before or after the command; $BATCH_DB, then the default, stand in."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("BATCH_DB", raising=False)
-    assert _cli.main(["jobs"]) == 0
-    assert (tmp_path / "batch.sqlite3").exists()
-    for args in (["--db", "sqlite:///a.sqlite3", "jobs"], ["jobs", "--db", "sqlite:///b.sqlite3"]):
-        assert _cli.main(args) == 0
+    # A read-only command creates no database: the default's missing file is an error.
+    assert _cli.main(["jobs"]) == 2
+    err = capsys.readouterr().err
+    assert "no batch store at sqlite:///batch.sqlite3" in err
+    assert "does not exist" in err
+    assert list(tmp_path.iterdir()) == []
+    for args in (
+        ["--db", "sqlite:///a.sqlite3", "purge"],
+        ["purge", "--db", "sqlite:///b.sqlite3"],
+    ):
+        assert _cli.main(args) == 0  # purge writes: it creates the store
     assert (tmp_path / "a.sqlite3").exists()
     assert (tmp_path / "b.sqlite3").exists()
+    for args in (["--db", "sqlite:///a.sqlite3", "jobs"], ["jobs", "--db", "sqlite:///b.sqlite3"]):
+        assert _cli.main(args) == 0
+    assert "no jobs" in capsys.readouterr().err
     monkeypatch.setenv("BATCH_DB", "sqlite:///c.sqlite3")
     assert _cli.main(["purge"]) == 0
     assert (tmp_path / "c.sqlite3").exists()
     assert "purged 0" in capsys.readouterr().out
+    assert _cli.main(["status", "0" * 32]) == 1  # $BATCH_DB's store, no such job
+    assert "no job" in capsys.readouterr().err
     assert _cli.main(["jobs", "--db", "nosuchdialect://x"]) == 2  # bad input
     assert _cli.main(["--help"]) == 0
 
@@ -1397,6 +1409,53 @@ def test_read_only_commands_open_the_store_not_a_runner(env: dict[str, str]) -> 
             assert [o for o in db.owners() if o.present] != []
 
 
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql", "mariadb"], indirect=True)
+def test_read_only_commands_leave_an_older_schema_untouched(
+    env: dict[str, str], tmp_path: Path, backend: str
+) -> None:
+    """An operator's newer CLI must not migrate production under its older workers (they
+    would refuse to start): status, jobs and cancel change no schema, and say who may."""
+    from conftest import backend_url
+    from sqlalchemy import inspect as sa_inspect
+    from sqlalchemy import select, text
+
+    from dcache._schema import meta
+
+    url = backend_url(backend, tmp_path)
+    env = {**env, "BATCH_DB": url}
+
+    def state(db: dcache.DB) -> tuple[Any, list[str]]:
+        with db.engine.connect() as conn:
+            version = conn.execute(
+                select(meta.c.value).where(meta.c.key == "schema_version")
+            ).scalar()
+            columns = sorted(c["name"] for c in sa_inspect(conn).get_columns("batch_target"))
+        return version, columns
+
+    with dcache.DB.open(url) as db:
+        if backend != "sqlite":
+            wipe(db)
+        with batch.Runner(db, lambda t: batch.Result("x")) as runner:
+            job_id, _ = runner.submit("old", "cli", [{"url": "test://a"}])
+            runner.wait(job_id, timeout=30)
+        with db.engine.begin() as conn:
+            conn.execute(text("ALTER TABLE batch_target DROP COLUMN result_bytes"))
+            conn.execute(text("UPDATE dcache_meta SET value = '2' WHERE value = '3'"))
+        before = state(db)
+        assert before[0] == "2" and "result_bytes" not in before[1]
+        try:
+            for args in (["status", job_id], ["jobs"], ["jobs", "--live"], ["cancel", job_id]):
+                done = cli(env, *args)
+                line = _one_line_error(done)
+                assert done.returncode == 1, (args, line)
+                assert "schema version 2 is older" in line, line
+                assert state(db) == before, args
+        finally:
+            dcache.DB.open(url).close()  # a writer upgrades it back
+        assert state(db)[0] == str(dcache.SCHEMA_VERSION)
+    assert cli(env, "status", job_id).returncode == 0
+
+
 def test_read_only_commands_build_no_runner(
     env: dict[str, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -1520,9 +1579,17 @@ def test_an_unreachable_database_names_the_url_and_what_to_check(
         f"MySQL/MariaDB server is running and accepts connections on 127.0.0.1:{port}"
         in mysql.stderr
     )
-    sqlite = cli(env, "jobs", "--db", f"sqlite:///{tmp_path}/no/such/folder/x.sqlite3")
+    sqlite = cli(
+        env, "run", "-", "--db", f"sqlite:///{tmp_path}/no/such/folder/x.sqlite3", stdin="test://a"
+    )
     assert sqlite.returncode != 0
     assert f"check that the folder '{tmp_path}/no/such/folder' exists" in sqlite.stderr
+    # A read-only command creates nothing: there is no store there, and it says why.
+    sqlite = cli(env, "jobs", "--db", f"sqlite:///{tmp_path}/no/such/folder/x.sqlite3")
+    assert sqlite.returncode == 2
+    assert "no batch store at" in sqlite.stderr
+    assert f"the folder '{tmp_path}/no/such/folder' does not exist" in sqlite.stderr
+    assert not (tmp_path / "no").exists()
 
 
 @pytest.mark.parametrize("backend", ["postgresql", "mariadb"], indirect=True)

@@ -217,6 +217,119 @@ def test_a_schema_version_that_is_not_a_number_is_a_schema_version_error(
         )
 
 
+def _schema_state(db: DB) -> tuple[str | None, set[str], set[str]]:
+    """The recorded version, the table names and batch_target's columns: what DDL changes."""
+    from dcache._schema import meta
+
+    with db.engine.connect() as conn:
+        inspector = sa_inspect(conn)
+        version = conn.execute(select(meta.c.value).where(meta.c.key == "schema_version")).scalar()
+        tables = {t for t in inspector.get_table_names() if t.startswith(("batch_", "dcache_"))}
+        columns = {c["name"] for c in inspector.get_columns("batch_target")}
+    return version, tables, columns
+
+
+def _open_without_create(db: DB, backend: str, tmp_path: Path) -> DB:
+    """``create=False`` on the fixture's database: by URL (as the CLI opens it) where a
+    URL reaches it, on its engine for the in-memory store."""
+    if backend == "memory":
+        return DB(db.engine, create=False)
+    return DB.open(backend_url(backend, tmp_path), create=False)
+
+
+def test_open_without_create_opens_a_current_store_and_reads_it(
+    db: DB, backend: str, tmp_path: Path
+) -> None:
+    """``create=False`` is for readers that must not change a database: a store of this
+    version opens and reads as ever."""
+    job = created(db)
+    with _open_without_create(db, backend, tmp_path) as reader:
+        assert reader.schema_version() == dcache.SCHEMA_VERSION
+        assert job_of(reader, job.id).id == job.id
+
+
+def test_open_without_create_leaves_an_older_schema_untouched_and_says_who_upgrades(
+    db: DB, backend: str, tmp_path: Path
+) -> None:
+    """A newer reader pointed at a production database must not migrate it under the older
+    workers (they would then refuse to start): it refuses, naming both versions."""
+    job = created(db)
+    with db.engine.begin() as conn:
+        conn.execute(text("ALTER TABLE batch_target DROP COLUMN result_bytes"))
+        conn.execute(text("UPDATE dcache_meta SET value = '2' WHERE value = :v"), {"v": "3"})
+    before = _schema_state(db)
+    assert before[0] == "2" and "result_bytes" not in before[2]
+    with pytest.raises(dcache.SchemaVersionError, match=r"version 2 is older than .* 3") as err:
+        _open_without_create(db, backend, tmp_path)
+    assert "upgrade it first" in str(err.value)
+    assert _schema_state(db) == before
+    # A writer still upgrades it, data intact; then the reader opens it.
+    if backend == "memory":
+        db._create_schema()
+    else:
+        DB.open(backend_url(backend, tmp_path)).close()
+    assert _schema_state(db)[0] == str(dcache.SCHEMA_VERSION)
+    with _open_without_create(db, backend, tmp_path) as reader:
+        assert job_of(reader, job.id).id == job.id
+
+
+def test_open_without_create_refuses_a_newer_schema(db: DB, backend: str, tmp_path: Path) -> None:
+    """The version check of a writer holds for a reader too: an old library reads no rows
+    whose meaning may have changed."""
+    sql(db, "UPDATE dcache_meta SET value = '99' WHERE value = :v", v=str(dcache.SCHEMA_VERSION))
+    try:
+        with pytest.raises(dcache.SchemaVersionError, match="newer .* upgrade the library"):
+            _open_without_create(db, backend, tmp_path)
+    finally:
+        sql(
+            db, "UPDATE dcache_meta SET value = :v WHERE value = '99'", v=str(dcache.SCHEMA_VERSION)
+        )
+
+
+def test_open_without_create_refuses_a_database_without_a_store_and_creates_nothing(
+    backend: str, tmp_path: Path
+) -> None:
+    """Pointed at the wrong database, a reader says there is no store there; it creates
+    no tables (and on SQLite no file), and leaves a foreign SQLite file as it was."""
+    if backend == "memory":
+        with pytest.raises(dcache.NoStoreError):
+            DB.open("sqlite://", create=False)
+        return
+    if backend == "sqlite":
+        missing = tmp_path / "missing.sqlite3"
+        with pytest.raises(dcache.NoStoreError, match="does not exist"):
+            DB.open(f"sqlite:///{missing}", create=False)
+        assert not missing.exists()
+        assert not (tmp_path / "missing.sqlite3-wal").exists()
+        foreign = tmp_path / "foreign.sqlite3"
+        with contextlib.closing(sqlite3.connect(foreign)) as conn:
+            conn.execute("CREATE TABLE notes (body TEXT)")
+            conn.commit()
+        content = foreign.read_bytes()
+        with pytest.raises(dcache.NoStoreError, match="no batch store"):
+            DB.open(f"sqlite:///{foreign}", create=False)
+        assert foreign.read_bytes() == content  # still in rollback mode, not switched to WAL
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["foreign.sqlite3"]
+        return
+    if backend == "pgbouncer":
+        pytest.skip("the PostgreSQL server of the postgresql backend: tested there")
+    from conftest import database_beside
+    from sqlalchemy import create_engine
+
+    from dcache._schema import metadata
+
+    url = database_beside(backend_url(backend, tmp_path), "_nostore")
+    plain = create_engine(url)
+    try:
+        metadata.drop_all(plain)  # whatever an earlier run left: an empty database
+        with pytest.raises(dcache.NoStoreError, match="no batch store"):
+            DB.open(url, create=False)
+        with plain.connect() as conn:
+            assert sa_inspect(conn).get_table_names() == []
+    finally:
+        plain.dispose()
+
+
 # -- submit --------------------------------------------------------------------------------
 
 
