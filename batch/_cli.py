@@ -84,6 +84,7 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 DEFAULT_DB = "sqlite:///batch.sqlite3"
 MAX_TOMBSTONE_DAYS = MAX_TOMBSTONE_TTL.days  # DB.open's bound on tombstone_ttl
+MAX_LIMIT = 1_000_000  # jobs --limit: far below the store's bound (2**63 - 1)
 DEFAULT_FETCH = "batch._cli:local_fetch"
 _POLL = 0.2  # seconds between progress updates while waiting
 _SETTLE = 10.0  # seconds --watch waits for a terminal job's drain to report its end
@@ -1078,13 +1079,15 @@ examples:
 """
 
 
-def _positive(text: str) -> int:
+def _limit(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, not {value}")
+    if value > MAX_LIMIT:
+        raise argparse.ArgumentTypeError(f"at most {MAX_LIMIT:,}, not {text}")
     return value
 
 
@@ -1211,7 +1214,11 @@ def _parser() -> argparse.ArgumentParser:
     jobs.add_argument("--live", action="store_true", help="only queued or running jobs")
     jobs.add_argument("--caller", metavar="NAME", default=None, help="only this caller's")
     jobs.add_argument(
-        "--limit", metavar="N", type=_positive, default=100, help="at most N (default 100)"
+        "--limit",
+        metavar="N",
+        type=_limit,
+        default=100,
+        help=f"at most N (default 100, at most {MAX_LIMIT:,})",
     )
     jobs.add_argument("--json", action="store_true", help="one JSON object a line")
     jobs.set_defaults(func=_cmd_jobs)

@@ -29,6 +29,8 @@ from ._shared import (
 
 R = TypeVar("R")
 
+MAX_LIMIT = 2**63 - 1  # the largest LIMIT every backend takes (a signed 64-bit integer)
+
 
 class JobReads:
     """The read methods of :class:`DB`."""
@@ -231,10 +233,14 @@ class JobReads:
         """Visible jobs, newest first, optionally one caller's and/or only live ones.
 
         Raises:
-            ValueError: ``limit`` is not a non-negative ``int``.
+            ValueError: ``limit`` is not an ``int`` from 0 to ``2**63 - 1``.
         """
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
             raise ValueError(f"limit must be an int of 0 or more, not {limit!r}")
+        if limit > MAX_LIMIT:
+            # No backend takes a LIMIT past a signed 64-bit integer: SQLite's driver
+            # overflows, the servers refuse the statement's syntax.
+            raise ValueError(f"limit must be at most 2**63 - 1 ({MAX_LIMIT}), not {limit}")
         if caller is not None and not findable(caller):
             return []
         now = aware_now(now)

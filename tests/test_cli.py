@@ -858,6 +858,21 @@ def test_a_busy_caller_exits_75(env: dict[str, str], tmp_path: Path) -> None:
             fetch.gate.set()
 
 
+def test_a_jobs_limit_past_its_maximum_is_a_usage_error_not_a_traceback(
+    env: dict[str, str],
+) -> None:
+    """``--limit 99999999999999999999`` crashed with OverflowError on SQLite and printed a
+    raw driver error on the servers; a bound with a clear error, exit 2, holds instead."""
+    assert cli(env, "purge").returncode == 0  # the store exists
+    for bad in ("99999999999999999999", str(2**63), str(_cli.MAX_LIMIT + 1)):
+        done = cli(env, "jobs", "--limit", bad)
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stderr
+        assert f"--limit: at most {_cli.MAX_LIMIT:,}" in done.stderr
+    done = cli(env, "jobs", "--limit", str(_cli.MAX_LIMIT))
+    assert done.returncode == 0, done.stderr
+
+
 def test_db_option_and_environment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -73,6 +73,25 @@ def test_a_negative_or_non_int_limit_is_a_value_error_on_every_backend(db: DB, l
         runner.close(timeout=10)
 
 
+@pytest.mark.parametrize("limit", [2**63, 10**20])
+def test_a_limit_past_64_bits_is_a_value_error_on_every_backend(db: DB, limit: int) -> None:
+    """No database takes a LIMIT past a signed 64-bit integer: SQLite's driver raised
+    OverflowError and the servers a raw syntax error, neither a StoreError."""
+    new_job(db)
+    with pytest.raises(ValueError, match="limit"):
+        db.list_jobs(limit=limit)
+    runner = batch.Runner(
+        db, lambda t: batch.Result(""), batch.Config(heartbeat=dt.timedelta(hours=1))
+    )
+    try:
+        with pytest.raises(ValueError, match="limit"):
+            runner.jobs(limit=limit)
+        assert len(runner.jobs(limit=2**63 - 1)) == 1  # the largest one is a valid limit
+    finally:
+        runner.close(timeout=10)
+    assert len(db.list_jobs(limit=2**63 - 1)) == 1
+
+
 def test_a_zero_limit_lists_nothing_and_a_positive_one_caps_the_list(db: DB) -> None:
     """0 is a valid, empty page; the limit caps the list on every backend."""
     for _ in range(3):
