@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any, Protocol
-from urllib.parse import unquote
+from urllib.parse import unquote, urlsplit
 
 import dcache
 from dcache import Status
@@ -70,6 +70,7 @@ __all__ = [
     "EXIT_TEMPFAIL",
     "EXIT_USAGE",
     "StoreReader",
+    "absolute_file_url",
     "local_fetch",
     "main",
     "read_targets",
@@ -109,11 +110,35 @@ class InputError(Exception):
 # -- input -------------------------------------------------------------------------------
 
 
-def read_targets(lines: Iterable[str], source: str = "<stdin>") -> Checked:
+def absolute_file_url(url: str, cwd: str) -> str:
+    """``url`` unchanged, unless it is a relative ``file:`` URL (``file:notes.txt``,
+    ``file:./sub/a.txt``): then the ``file:///...`` URL of that path in ``cwd``.
+
+    The fetcher reads a relative path from the working directory, but a job's
+    idempotency key is made from the URL's text: submitted as written, the same targets
+    file run from another folder reused the first folder's job and its results.
+    """
+    parts = urlsplit(url)
+    if parts.scheme.lower() != "file" or parts.netloc or not parts.path:
+        return url
+    if parts.path.startswith("/"):
+        return url
+    path = os.path.normpath(os.path.join(cwd, unquote(parts.path)))
+    absolute = Path(path).as_uri()
+    if parts.query:
+        absolute += f"?{parts.query}"
+    if parts.fragment:
+        absolute += f"#{parts.fragment}"
+    return absolute
+
+
+def read_targets(lines: Iterable[str], source: str = "<stdin>", cwd: str | None = None) -> Checked:
     """Parse targets: one URL a line, or one JSON object a line (``{"url", "options"}``).
 
     Blank lines and lines starting with ``#`` are skipped. Raises :class:`InputError`
     naming the line at fault (bad JSON, an invalid target, a duplicate, no targets).
+    With ``cwd``, a relative ``file:`` URL is made the absolute URL of that path in
+    ``cwd`` (see :func:`absolute_file_url`), so its key names the real file.
     Returns them checked and sealed, so the submit takes them as they are.
     """
     items: list[object] = []
@@ -136,6 +161,8 @@ def read_targets(lines: Iterable[str], source: str = "<stdin>") -> Checked:
             )
         else:
             item = {"url": line}
+        if cwd is not None and isinstance(item, dict) and isinstance(item.get("url"), str):
+            item = {**item, "url": absolute_file_url(item["url"], cwd)}
         items.append(item)
         where.append(lineno)
     if not items:
@@ -157,7 +184,7 @@ def _read_file(path: str) -> Checked:
             data = buffer.read()
         except OSError as exc:
             raise InputError(f"<stdin>: cannot read: {exc.strerror or exc}") from None
-        return read_targets(_text_lines(data, "<stdin>"), "<stdin>")
+        return read_targets(_text_lines(data, "<stdin>"), "<stdin>", os.getcwd())
     try:
         with open(path, "rb") as fh:
             data = fh.read()
@@ -165,7 +192,7 @@ def _read_file(path: str) -> Checked:
         raise InputError(f"{path}: no such file") from None
     except OSError as exc:
         raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    return read_targets(_text_lines(data, path), path)
+    return read_targets(_text_lines(data, path), path, os.getcwd())
 
 
 def _text_lines(data: bytes, source: str) -> list[str]:
@@ -994,7 +1021,9 @@ _RUN_DESCRIPTION = """\
 Submit the targets in FILE as one job, wait for it, and show each target's outcome.
 
 FILE holds one URL a line, or one JSON object a line ({"url": ..., "options": {...}});
-blank lines and lines starting with # are skipped; - reads standard input.
+blank lines and lines starting with # are skipped; - reads standard input. A relative
+file: URL (file:notes.txt) is submitted as the file:/// URL of that path in the working
+directory, so the same FILE run from another folder is another job.
 
 On a terminal, a progress bar runs on stderr and the outcomes come as a table (index,
 status, stored bytes, URL, error) cut to the terminal's width. Piped, or with --json,

@@ -1294,8 +1294,13 @@ def test_run_output_names_relative_file_urls_after_their_last_segment(
     (tmp_path / "sub").mkdir()
     (tmp_path / "todo.txt").write_text("a")
     (tmp_path / "sub" / "notes.txt").write_text("b")
+    (tmp_path / "sub" / "todo.txt").write_text("c")
+    # (Not tmp_path/todo.txt again: made absolute, file:todo.txt names that very file.)
     targets = write(
-        tmp_path / "t.txt", "file:todo.txt", "file:sub/notes.txt", (tmp_path / "todo.txt").as_uri()
+        tmp_path / "t.txt",
+        "file:todo.txt",
+        "file:sub/notes.txt",
+        (tmp_path / "sub" / "todo.txt").as_uri(),
     )
     done = cli(env, "run", targets, "--output", "out", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -1304,6 +1309,38 @@ def test_run_output_names_relative_file_urls_after_their_last_segment(
         "01-notes.txt",
         "02-todo.txt",
     ]
+
+
+def test_relative_file_urls_name_the_file_in_the_folder_run_from(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """The same targets file run from two folders on one $BATCH_DB: each run reads its own
+    folder's file. Submitted as written, the second reused the first's job (the key was
+    the URL's text) and showed, and wrote, the other folder's content."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "my notes.txt").write_text(f"notes of {name}")
+    targets = write(tmp_path / "t.txt", "file:my%20notes.txt", '{"url": "file:./my%20notes.txt?x"}')
+    for name in ("a", "b"):
+        done = cli(env, "run", targets, "--output", "out", cwd=tmp_path / name)
+        assert done.returncode == 0, done.stderr
+        assert "reused" not in done.stderr
+        first, second = lines(done.stdout)
+        assert first["url"] == (tmp_path / name / "my notes.txt").as_uri()
+        assert second["url"] == (tmp_path / name / "my notes.txt").as_uri() + "?x"
+        assert first["result"]["content"] == f"notes of {name}"
+        assert (tmp_path / name / "out" / "00-my_20notes.txt").read_text() == f"notes of {name}"
+    again = cli(env, "run", targets, cwd=tmp_path / "a")  # from the first folder: its job
+    assert again.returncode == 0, again.stderr
+    assert "reused" in again.stderr
+    assert lines(again.stdout)[0]["result"]["content"] == "notes of a"
+    # Written both ways in one file, it is one file named twice: a duplicate.
+    both = write(
+        tmp_path / "both.txt", "file:my%20notes.txt", (tmp_path / "a" / "my notes.txt").as_uri()
+    )
+    done = cli(env, "run", both, cwd=tmp_path / "a")
+    assert done.returncode == 2
+    assert "both.txt:2" in _one_line_error(done)
 
 
 def _watched_job(env: dict[str, str]) -> Iterator[tuple[batch.Runner, Any, str]]:
