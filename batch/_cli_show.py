@@ -22,7 +22,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import registry
 from sqlalchemy.engine import make_url
 
-from dcache import NoStoreError, StoreError
+from dcache import SCHEMA_VERSION, NoStoreError, SchemaVersionError, StoreError
 
 from ._values import Job, Result, TargetStatus
 
@@ -333,6 +333,32 @@ def _driver_missing(url: str, shown_url: str, exc: ImportError) -> str:
     return f"{what}; install it, or use {scheme} ({install})"
 
 
+def _not_a_database(exc: BaseException) -> bool:
+    """SQLite's SQLITE_NOTADB: the file is there and readable, but not a database."""
+    return getattr(
+        exc, "sqlite_errorname", ""
+    ) == "SQLITE_NOTADB" or "file is not a database" in str(exc)
+
+
+def _schema_mismatch(shown_url: str, exc: SchemaVersionError, cause: str) -> str:
+    """A store of another schema version: which one, and who can do what about it."""
+    found, ours = exc.found, SCHEMA_VERSION
+    if found is not None and found > ours:
+        return (
+            f"the batch store in {shown_url} has schema version {found}, newer than this "
+            f"batch-dcache's {ours}: upgrade batch-dcache here (pip install -U "
+            "batch-dcache) to the version that created it"
+        )
+    if found is not None:
+        return (
+            f"the batch store in {shown_url} has schema version {found}, older than this "
+            f"batch-dcache's {ours}; this command changes nothing: a writer of this version "
+            "(`batch run`, `batch purge`, or the upgraded workers) upgrades it, after "
+            "which older workers refuse it"
+        )
+    return f"the database {shown_url} holds a schema batch-dcache cannot use: {cause}"
+
+
 def explain_open_failure(url: str, shown_url: str, exc: BaseException) -> OpenFailure:
     """One line: which database could not be opened, why, and what to check; and whether
     the URL itself is at fault (an unknown dialect or driver, a driver not installed, an
@@ -367,6 +393,9 @@ def explain_open_failure(url: str, shown_url: str, exc: BaseException) -> OpenFa
             "(`batch run` and `batch purge` create the store)",
             True,
         )
+    schema = next((e for e in chain if isinstance(e, SchemaVersionError)), None)
+    if schema is not None:
+        return OpenFailure(_schema_mismatch(shown_url, schema, cause), False)
     options = "check the options after '?' in the URL" if u.query else "check the URL"
     if not isinstance(exc, StoreError):
         # Not a database failure (the store translates every one of those): the URL's
@@ -375,6 +404,19 @@ def explain_open_failure(url: str, shown_url: str, exc: BaseException) -> OpenFa
         return OpenFailure(f"cannot open the database {shown_url}: {cause}; {options}", True)
     if _BAD_CONNINFO.search(low):
         return OpenFailure(f"cannot open the database {shown_url}: {cause}; {options}", True)
+    if backend == "sqlite" and database and Path(database).is_dir():
+        example = f"sqlite:///{os.path.join(database, 'batch.sqlite3')}"
+        return OpenFailure(
+            f"--db {shown_url}: {database!r} is a folder, not a database file; name a "
+            f"file in it (e.g. {example})",
+            True,
+        )
+    if backend == "sqlite" and any(_not_a_database(e) for e in chain):
+        return OpenFailure(
+            f"--db {shown_url}: the file {database!r} is not a SQLite database (nothing was "
+            "changed in it); check that --db or $BATCH_DB names the store's file",
+            True,
+        )
     if backend == "sqlite":
         where = Path(database).parent if database else Path()
         check = f"check that the folder {str(where) or '.'!r} exists and that you may write there"

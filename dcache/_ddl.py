@@ -115,10 +115,7 @@ class SchemaSetup:
         # MySQL/MariaDB each DDL statement commits at once, whatever fails after it).
         found = _read_version(conn) if meta.name in existing else None
         if found is not None and found > SCHEMA_VERSION:
-            raise SchemaVersionError(
-                f"database schema version {found} is newer than this dcache's "
-                f"{SCHEMA_VERSION}: upgrade the library"
-            )
+            raise _newer(found)
         if set(names) <= existing:
             # Indexes are added by the migration to this version, which records it last.
             migrated = found == SCHEMA_VERSION
@@ -161,10 +158,7 @@ class SchemaSetup:
                 update(meta).where(meta.c.key == "schema_version").values(value=str(SCHEMA_VERSION))
             )
         elif found > SCHEMA_VERSION:  # a creator that raced ours recorded a newer one
-            raise SchemaVersionError(
-                f"database schema version {found} is newer than this dcache's "
-                f"{SCHEMA_VERSION}: upgrade the library"
-            )
+            raise _newer(found)
         has_global = conn.execute(select(locks.c.name).where(locks.c.name == GLOBAL_LOCK)).first()
         if has_global is None:
             conn.execute(insert(locks).values(name=GLOBAL_LOCK))
@@ -192,17 +186,16 @@ class SchemaSetup:
                 "version (its creation did not finish); opening it to write completes it"
             )
         if found > SCHEMA_VERSION:
-            raise SchemaVersionError(
-                f"database schema version {found} is newer than this dcache's "
-                f"{SCHEMA_VERSION}: upgrade the library"
-            )
+            raise _newer(found)
         if found < SCHEMA_VERSION:
-            raise SchemaVersionError(
+            err = SchemaVersionError(
                 f"database schema version {found} is older than this dcache's "
                 f"{SCHEMA_VERSION}, and this reader changes nothing: a writer of version "
                 f"{SCHEMA_VERSION} (a runner, or DB.open without create=False) must "
                 "upgrade it first"
             )
+            err.found = found
+            raise err
 
     @wrap_errors
     def schema_version(self) -> int:
@@ -210,6 +203,15 @@ class SchemaSetup:
         with self._read() as conn:
             found = _read_version(conn)
         return 0 if found is None else found
+
+
+def _newer(found: int) -> SchemaVersionError:
+    err = SchemaVersionError(
+        f"database schema version {found} is newer than this dcache's {SCHEMA_VERSION}: "
+        "upgrade the library"
+    )
+    err.found = found
+    return err
 
 
 def _where(conn: Connection) -> str:

@@ -66,7 +66,14 @@ class StoreClosedError(StoreError):
 
 class SchemaVersionError(StoreError):
     """The database holds a schema this version of dcache cannot use: a newer one, or a
-    version row that is not a number (nothing is changed in the database first)."""
+    version row that is not a number (nothing is changed in the database first); with
+    ``DB.open(..., create=False)``, an older one too.
+
+    Attributes:
+        found: the version the database records, when it is a number (else ``None``).
+    """
+
+    found: int | None = None
 
 
 class NoStoreError(StoreError):

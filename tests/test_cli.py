@@ -1500,12 +1500,74 @@ def test_read_only_commands_leave_an_older_schema_untouched(
                 done = cli(env, *args)
                 line = _one_line_error(done)
                 assert done.returncode == 1, (args, line)
-                assert "schema version 2 is older" in line, line
+                assert "schema version 2, older than" in line, line
                 assert state(db) == before, args
         finally:
             dcache.DB.open(url).close()  # a writer upgrades it back
         assert state(db)[0] == str(dcache.SCHEMA_VERSION)
     assert cli(env, "status", job_id).returncode == 0
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql", "mariadb"], indirect=True)
+def test_a_schema_of_another_version_is_told_as_such_not_as_an_unreachable_server(
+    env: dict[str, str], tmp_path: Path, backend: str
+) -> None:
+    """A newer schema read "cannot reach the database ...; check that a PostgreSQL server
+    is running" (on SQLite: "check that the folder exists"): advice that sends the operator
+    the wrong way. It names the versions and the fix, and exits 1 (a retry will not do)."""
+    from conftest import backend_url
+
+    url = backend_url(backend, tmp_path)
+    env = {**env, "BATCH_DB": url}
+    targets = write(tmp_path / "t.txt", "test://a")
+    with dcache.DB.open(url) as db:
+        if backend != "sqlite":
+            wipe(db)
+        v = str(dcache.SCHEMA_VERSION)
+        with db.engine.begin() as conn:
+            conn.exec_driver_sql(f"UPDATE dcache_meta SET value = '99' WHERE value = '{v}'")
+        try:
+            for args in (["jobs"], ["run", "--fetch", "cli_fetch:counting", targets]):
+                done = cli(env, *args)
+                line = _one_line_error(done)
+                assert done.returncode == 1, (args, line)
+                assert f"schema version 99, newer than this batch-dcache's {v}" in line, line
+                assert "upgrade batch-dcache" in line, line
+                assert "reach" not in line and "folder" not in line and "server" not in line
+            with db.engine.begin() as conn:
+                conn.exec_driver_sql("UPDATE dcache_meta SET value = '2' WHERE value = '99'")
+            done = cli(env, "jobs")
+            line = _one_line_error(done)
+            assert done.returncode == 1, line
+            assert f"schema version 2, older than this batch-dcache's {v}" in line, line
+            assert "batch purge" in line, line  # a writer of this version upgrades it
+            assert "reach" not in line and "folder" not in line
+        finally:
+            with db.engine.begin() as conn:
+                conn.exec_driver_sql(f"UPDATE dcache_meta SET value = '{v}'")
+
+
+def test_a_sqlite_url_naming_a_folder_or_a_file_that_is_not_a_database_says_so(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """Both got "check that the folder exists and that you may write there": the folder
+    existed, the file was readable; the URL names the wrong thing (exit 2, as a bad --db)."""
+    targets = write(tmp_path / "t.txt", "test://a")
+    junk = tmp_path / "junk.sqlite3"
+    junk.write_bytes(b"these are my notes, not a database\n" * 100)
+    content = junk.read_bytes()
+    for args in (["jobs"], ["status", "0" * 32], ["run", "--fetch", "cli_fetch:counting", targets]):
+        done = cli(env, *args, "--db", f"sqlite:///{junk}")
+        line = _one_line_error(done)
+        assert done.returncode == 2, (args, line)
+        assert "is not a SQLite database" in line, line
+        assert "folder" not in line
+        done = cli(env, *args, "--db", f"sqlite:///{tmp_path}")
+        line = _one_line_error(done)
+        assert done.returncode == 2, (args, line)
+        assert f"{str(tmp_path)!r} is a folder, not a database file" in line, line
+        assert f"sqlite:///{tmp_path / 'batch.sqlite3'}" in line, line
+    assert junk.read_bytes() == content
 
 
 def test_read_only_commands_build_no_runner(

@@ -262,6 +262,7 @@ def test_open_without_create_leaves_an_older_schema_untouched_and_says_who_upgra
     with pytest.raises(dcache.SchemaVersionError, match=r"version 2 is older than .* 3") as err:
         _open_without_create(db, backend, tmp_path)
     assert "upgrade it first" in str(err.value)
+    assert err.value.found == 2  # for a message of the caller's own (the CLI's)
     assert _schema_state(db) == before
     # A writer still upgrades it, data intact; then the reader opens it.
     if backend == "memory":
@@ -278,8 +279,12 @@ def test_open_without_create_refuses_a_newer_schema(db: DB, backend: str, tmp_pa
     whose meaning may have changed."""
     sql(db, "UPDATE dcache_meta SET value = '99' WHERE value = :v", v=str(dcache.SCHEMA_VERSION))
     try:
-        with pytest.raises(dcache.SchemaVersionError, match="newer .* upgrade the library"):
+        with pytest.raises(dcache.SchemaVersionError, match="newer .* upgrade the library") as err:
             _open_without_create(db, backend, tmp_path)
+        assert err.value.found == 99
+        with pytest.raises(dcache.SchemaVersionError) as err:
+            DB(db.engine)  # a writer refuses it alike, saying which version it found
+        assert err.value.found == 99
     finally:
         sql(
             db, "UPDATE dcache_meta SET value = :v WHERE value = '99'", v=str(dcache.SCHEMA_VERSION)
