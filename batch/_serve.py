@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
+import socketserver
 import sys
 import threading
 from types import FrameType
@@ -112,6 +114,19 @@ def build_app(runner: Runner, port: int) -> Any:
     return app
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host:port``, as werkzeug's server would bind it."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as werkzeug's does
+        sock.bind((host, port))
+        sock.listen(socketserver.TCPServer.request_queue_size)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def say(text: str) -> None:
     """One line to stderr (stdout stays free for whatever a caller pipes)."""
     print(text, file=sys.stderr, flush=True)
@@ -145,13 +160,27 @@ def main(args: argparse.Namespace) -> int:
     try:
         runner = Runner(db, fetch)
         try:
-            # Bind first (port 0 picks one), then build the app for the port we got.
-            server = make_server(HOST, args.port, None, threaded=True)  # type: ignore[arg-type]
+            # Bind first (port 0 picks one), then build the app for the port we got. The
+            # socket is bound here, not by make_server: werkzeug prints its own lines and
+            # calls sys.exit(1) when its bind fails, past this message and runner.close.
+            sock = _listen(HOST, args.port)
         except OSError as exc:
             _cli._say(f"cannot listen on {HOST}:{args.port}: {exc.strerror or exc}")
             runner.close(timeout=5)
             return _cli.EXIT_FAILED
-        port = server.server_port
+        try:
+            with sock:  # the server listens on its own duplicate of the socket
+                server = make_server(
+                    HOST,
+                    sock.getsockname()[1],
+                    None,  # type: ignore[arg-type]
+                    threaded=True,
+                    fd=sock.fileno(),
+                )
+        except BaseException:
+            runner.close(timeout=5)
+            raise
+        port = server.port
         server.app = build_app(runner, port)
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, _interrupt)

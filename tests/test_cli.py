@@ -534,6 +534,25 @@ def test_serve_finds_a_fetch_module_in_the_working_directory(
         proc.wait(timeout=30)
 
 
+def test_serve_on_a_port_in_use_says_so_in_one_line_and_closes_its_runner(
+    env: dict[str, str],
+) -> None:
+    """werkzeug printed its own lines and called sys.exit(1) from inside make_server, so
+    the CLI's message never ran and its runner was never closed (its owner row stayed)."""
+    pytest.importorskip("flask")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        done = cli(env, "serve", "--port", str(port))
+    line = _one_line_error(done)
+    assert done.returncode == 1, line
+    assert line.startswith(f"batch: cannot listen on 127.0.0.1:{port}: "), line
+    assert "in use" in line, line
+    with dcache.DB.open(env["BATCH_DB"]) as db:
+        assert [o.owner for o in db.owners() if o.present] == []  # the runner was closed
+
+
 @pytest.mark.parametrize("caller", ["", "x" * 300])
 def test_a_bad_caller_is_reported_as_the_caller_option(
     env: dict[str, str], tmp_path: Path, caller: str
