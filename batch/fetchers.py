@@ -578,8 +578,9 @@ class Fetcher:
     is one of the web's, else UTF-8; undecodable bytes replaced); a body that is not text
     (an image, a PDF) is base64, with ``meta["encoding"] = "base64"``. ``meta`` holds
     ``status`` (HTTP), ``content_type``, ``url`` (after redirects) and ``bytes``. The
-    ``grep`` option keeps the lines that contain its text; any other option fails the
-    target, since this fetcher cannot honour it.
+    ``grep`` option keeps the lines that contain its text (a body not labelled text is
+    read as UTF-8 for it; one that is no text fails the target); any other option fails
+    the target, since this fetcher cannot honour it.
 
     Refused addresses (:class:`BlockedAddressError`), HTTP errors (4xx, 5xx), timeouts,
     unreachable hosts, too many redirects, bodies over ``max_bytes`` and refused schemes
@@ -664,6 +665,8 @@ class Fetcher:
             body, meta = self._get(target.url)
         content = _decode(body, meta)
         if target.options.grep:
+            if meta.get("encoding") == "base64":
+                content = _as_text_for_grep(body, meta)
             needle = target.options.grep
             content = "\n".join(line for line in content.splitlines() if needle in line)
         return Result(content, meta)
@@ -1012,6 +1015,21 @@ def _decode(body: bytes, meta: dict[str, Any]) -> str:
     except (LookupError, UnicodeError, ValueError, TypeError):
         # A codec that misbehaves on this input: fall back rather than fail the target.
         return body.decode("utf-8", errors="replace")
+
+
+def _as_text_for_grep(body: bytes, meta: dict[str, Any]) -> str:
+    """A body not labelled text, read as the UTF-8 text that ``grep`` searches (servers
+    label plain files ``application/octet-stream``); one that is no UTF-8 fails."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        ctype = str(meta.get("content_type") or "no content type")
+        raise FetchError(
+            f"grep needs a text body: this one is binary ({ctype[:100]})",
+            hint="fetch it without grep",
+        ) from None
+    meta.pop("encoding", None)
+    return text
 
 
 fetch: Fetcher = Fetcher()

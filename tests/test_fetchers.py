@@ -769,6 +769,26 @@ def test_a_chunked_body_of_small_chunks_is_read_whole(serve: Callable[..., RawSe
     assert get(server.url + "/", Fetcher(max_bytes=1000, allow=LOOPBACK)).content == "x" * 1000
 
 
+def test_grep_reads_a_text_body_served_as_bytes_and_refuses_a_binary_one(
+    serve: Callable[..., RawServer],
+) -> None:
+    """``grep`` keeps lines of text: a UTF-8 body served as ``application/octet-stream``
+    (Python's http.server, object stores by default) is searched as text, not as its
+    base64; a body that is no text fails the target instead of answering nothing."""
+    text = serve(reply(b"a\nprice: 3\ny\n", Content_Type="application/octet-stream"))
+    target = batch.Target(text.url + "/b", batch.Options(grep="price"))
+    result = Fetcher(allow=LOOPBACK)(target)
+    assert result.content == "price: 3"
+    assert "encoding" not in result.meta
+    binary = serve(reply(b"\xff\xd8\xff price", Content_Type="image/jpeg"))
+    with pytest.raises(batch.FetchError, match="grep needs a text body") as info:
+        Fetcher(allow=LOOPBACK)(batch.Target(binary.url + "/p", batch.Options(grep="price")))
+    assert "image/jpeg" in info.value.message
+    # Without grep a binary body is still base64, whole.
+    plain = Fetcher(allow=LOOPBACK)(batch.Target(binary.url + "/p"))
+    assert plain.meta["encoding"] == "base64"
+
+
 @pytest.mark.parametrize("charset", ["base64", "rot13", "undefined", "no-such-charset", "zlib"])
 def test_an_unusable_charset_decodes_as_utf8(serve: Callable[..., RawServer], charset: str) -> None:
     """A charset Python cannot decode text with never crashes the fetch: UTF-8, replaced."""
