@@ -783,6 +783,11 @@ class Fetcher:
                 f"bad HTTP answer from {_host(current)}: {type(exc).__name__}: {exc}",
                 hint="the server broke the protocol; retry later",
             ) from None
+        except ConnectionRefusedError as exc:
+            raise FetchError(
+                f"cannot reach {_host(current)}: {exc.strerror or exc}",
+                hint="nothing listens there now (the server may be down); retry later",
+            ) from None
         except OSError as exc:
             raise FetchError(
                 f"cannot reach {_host(current)}: {exc.strerror or exc}", hint="check the URL"

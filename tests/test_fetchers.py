@@ -769,6 +769,17 @@ def test_a_chunked_body_of_small_chunks_is_read_whole(serve: Callable[..., RawSe
     assert get(server.url + "/", Fetcher(max_bytes=1000, allow=LOOPBACK)).content == "x" * 1000
 
 
+def test_a_refused_connection_says_the_server_may_be_down() -> None:
+    """Nothing listening is a server down (retry later), not a wrong URL."""
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()  # bound, never listening: the port refuses
+    err = refused(f"http://127.0.0.1:{port}/", Fetcher(allow=LOOPBACK))
+    assert err.message == f"cannot reach 127.0.0.1:{port}: Connection refused"
+    assert "retry later" in err.hint and "down" in err.hint
+
+
 def test_grep_reads_a_text_body_served_as_bytes_and_refuses_a_binary_one(
     serve: Callable[..., RawServer],
 ) -> None:
