@@ -701,6 +701,8 @@ def _run_job(
             _say(f"job {job_id} is still {job.status} elsewhere; waiting for it")
         elif job.status == Status.CANCELLED:
             _say("it was cancelled; to run these targets again now, pass another --caller")
+        elif job.status in (Status.FAILED, Status.PARTIAL):
+            _say(f"it ended {job.status}; to fetch these targets again now, pass another --caller")
     else:
         _say(f"job {job_id}: {job.targets_total} target(s) on {redact_url(_db_url(args))}")
     args.close_timeout = None

@@ -425,6 +425,14 @@ def explain_open_failure(url: str, shown_url: str, exc: BaseException) -> OpenFa
         backend, backend
     )
     at = f"{host}:{port}" if port else host
+    if "permission denied" in low or "command denied" in low:
+        user = u.username or "the URL's user"
+        return OpenFailure(
+            f"cannot open the database {shown_url}: {cause}; {user} may not create the "
+            f"store's tables in {database!r}: make it the database's owner "
+            f"(createdb -O {user} ...) or GRANT it CREATE on the schema",
+            False,
+        )
     if re.search(r'role "[^"]*" does not exist|no such user', low):
         check = "check the user name and password in the URL"
     elif "does not exist" in low or "unknown database" in low or "no such database" in low:

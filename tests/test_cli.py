@@ -394,6 +394,9 @@ def test_run_partial_exits_1_and_a_rerun_reuses_the_stored_results(
     assert again.stdout == first.stdout
     assert "reused" in again.stderr
     assert "without fetching again" in again.stderr
+    assert "it ended partial; to fetch these targets again now, pass another --caller" in (
+        " ".join(again.stderr.split())
+    )
     assert fetched(env) == ["test://ok/1", "test://fail/2"]
 
 
@@ -1685,6 +1688,42 @@ def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def test_a_role_that_may_not_create_the_store_is_told_so(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """A role without CREATE on the schema (PostgreSQL 15's default for any role but the
+    database's owner) was told to check that the server is running; it is told what to
+    grant."""
+    from conftest import backend_url
+    from sqlalchemy import create_engine, text
+
+    admin_url = make_url(backend_url("postgresql", tmp_path))
+    suffix = os.urandom(4).hex()
+    role, database = f"batch_noperm_{suffix}", f"batch_noperm_{suffix}"
+    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f"CREATE ROLE {role} LOGIN"))
+            conn.execute(text(f"CREATE DATABASE {database}"))
+        with create_engine(
+            admin_url.set(database=database), isolation_level="AUTOCOMMIT"
+        ).connect() as conn:
+            conn.execute(text(f"REVOKE CREATE ON SCHEMA public FROM PUBLIC, {role}"))
+        url = admin_url.set(username=role, password=None, database=database)
+        done = cli(env, "run", "-", "--db", url.render_as_string(), stdin="test://a\n")
+        assert done.returncode == 1, done.stderr
+        (line,) = done.stderr.strip().splitlines()
+        assert "permission denied" in line
+        assert "is running" not in line
+        assert f"may not create the store's tables in {database!r}" in line
+        assert f"createdb -O {role}" in line or "GRANT" in line
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
+            conn.execute(text(f"DROP ROLE IF EXISTS {role}"))
+        admin.dispose()
 
 
 def test_an_unreachable_database_names_the_url_and_what_to_check(
