@@ -1,7 +1,10 @@
 """gunicorn settings for the multi-worker metrics test: the documented child_exit hook."""
 
-from prometheus_client import multiprocess
+import os
 
 
 def child_exit(server, worker):  # type: ignore[no-untyped-def]
-    multiprocess.mark_process_dead(worker.pid)
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(worker.pid)
