@@ -201,6 +201,30 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, sa_exc.TimeoutError)  # pool checkout timed out
 
 
+# A statement that waited too long for a row lock, or was cancelled while it waited, on
+# the servers: lock wait timeouts, deadlocks and statements cancelled (see above). The
+# session and its other rows are fine: only that statement's row was in the way.
+_MYSQL_ROW_WAIT = frozenset({1205, 1213, 1317, 1969, 3024})
+_PG_ROW_WAIT = ("55P03", "40P01", "57014")
+
+
+def is_row_wait(exc: BaseException) -> bool:
+    """Whether a server error is one statement's wait for a row that another session
+    holds (timed out, cancelled, or a deadlock), not the session's or the server's
+    trouble; SQLite's busy lock is the whole database's, so it is not one."""
+    if isinstance(exc, sa_exc.DBAPIError):
+        if exc.connection_invalidated or exc.orig is None:
+            return False
+        exc = exc.orig
+    if isinstance(exc, sqlite3.Error) or _is_raw_disconnect(exc):
+        return False
+    args = getattr(exc, "args", ())
+    if args and isinstance(args[0], int):
+        return args[0] in _MYSQL_ROW_WAIT
+    sqlstate = getattr(exc, "sqlstate", None)
+    return isinstance(sqlstate, str) and sqlstate.startswith(_PG_ROW_WAIT)
+
+
 def is_sqlite_busy(exc: BaseException) -> bool:
     """Whether a ``sqlite3`` error is lock contention (SQLITE_BUSY / SQLITE_LOCKED)."""
     text = str(exc).lower()

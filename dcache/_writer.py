@@ -60,7 +60,7 @@ from sqlalchemy import (
 from sqlalchemy import exc as sa_exc
 
 from . import _sql
-from ._errors import StoreError, translate
+from ._errors import StoreError, is_row_wait, translate
 from ._outbox import message_id, notify_statement
 from ._prepared import Binder, Prepared
 from ._reads import release_cursor, short_cursor, watched
@@ -538,8 +538,11 @@ class GroupWriter:
                 if isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated:
                     self._drop()
                 current = self._current
-                if current is not None and not _transient(err) and len(pending) > 1:
-                    # This outcome's own statements were refused: answer it, retry the rest.
+                own = not _transient(err) or is_row_wait(exc)
+                if current is not None and own and len(pending) > 1:
+                    # This outcome's own statements were refused, or waited too long for
+                    # its own row (a lock another session holds): answer it, retry the
+                    # rest (which would meet the same lock on every retry with it).
                     current.error = err
                     pending = [o for o in pending if o is not current]
                     continue

@@ -1751,6 +1751,57 @@ def test_an_outcome_that_breaks_its_own_statement_in_python_fails_alone(db: DB) 
     assert job_of(db, bad.id).targets_done == 0
 
 
+@pytest.mark.parametrize("backend", ["postgresql", "mariadb"])
+def test_a_lock_wait_on_one_outcomes_row_does_not_fail_the_others(
+    backend: str, tmp_path: Path
+) -> None:
+    """Another session holds one job's row (an operator's transaction, a stalled peer)
+    past the server's lock timeout: that outcome alone is answered "retry later"; the
+    others of its batch are committed (they all failed with it, and each retry met the
+    same lock again, so every drain of the process stalled behind one row)."""
+    options = (
+        {"options": "-c lock_timeout=300"}
+        if backend == "postgresql"
+        else {"init_command": "SET SESSION innodb_lock_wait_timeout = 1"}
+    )
+    db = DB.open(backend_url(backend, tmp_path), connect_args=options)
+    wipe(db)
+    jobs_ = [created(db, caller=f"c{i}", n=1) for i in range(4)]
+    bad = jobs_[2]
+    hold, holding = threading.Event(), threading.Event()
+
+    def hook(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        if "UPDATE batch_target" in statement and not holding.is_set():
+            holding.set()
+            hold.wait(10)
+
+    outs: dict[str, dcache.WriteOutcome] = {}
+    errors: dict[str, dcache.StoreError] = {}
+
+    def write(job: JobRow) -> None:
+        try:
+            outs[job.id] = db.write_target(job.id, 0, status="done", ttl=TTL, now=T0)
+        except dcache.StoreError as exc:
+            errors[job.id] = exc
+
+    try:
+        with (
+            job_row_locked(db, bad.id),
+            first_write_held(db, jobs_, write, hook, holding, hold) as writers,
+        ):
+            hold.set()
+            join_all(writers)
+        assert set(errors) == {bad.id}, errors
+        assert isinstance(errors[bad.id], dcache.StoreUnavailableError)
+        for job in jobs_:
+            if job is not bad:
+                assert outs[job.id] == dcache.WriteOutcome(True, "done", True)
+        # The lock gone, its retry is stored.
+        assert db.write_target(bad.id, 0, status="done", ttl=TTL, now=T0).stored
+    finally:
+        db.close()
+
+
 def test_closing_the_writer_waits_for_the_commit_under_way(db: DB) -> None:
     """The store's writer gives its connection back only once the batch being committed
     is answered: a close() during a commit waits for it (and is woken when it ends), and
