@@ -309,6 +309,10 @@ class DB(
             if create:
                 self._create_schema()
             else:
+                if self.dialect == "sqlite":
+                    # Before any connection of the engine's: it would create a missing
+                    # file, and switch a foreign one to WAL.
+                    _sqlite_store_exists(engine.url)
                 self._check_schema()
             self._read_limits()
         except BaseException:
@@ -412,14 +416,6 @@ class DB(
             )
         except sa_exc.SQLAlchemyError as exc:
             raise StoreError(f"cannot open {u!r}: {exc}") from exc
-        if not create and engine.dialect.name == "sqlite":
-            # After create_engine (which connects to nothing), so that an unknown driver
-            # is reported as such, and before any connection is made.
-            try:
-                _sqlite_store_exists(u)
-            except BaseException:
-                engine.dispose()
-                raise
         return cls(
             engine,
             io_timeout=io_timeout,

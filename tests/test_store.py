@@ -315,6 +315,17 @@ def test_open_without_create_refuses_a_database_without_a_store_and_creates_noth
             DB.open(f"sqlite:///{foreign}", create=False)
         assert foreign.read_bytes() == content  # still in rollback mode, not switched to WAL
         assert sorted(p.name for p in tmp_path.iterdir()) == ["foreign.sqlite3"]
+        # The same through DB(engine): the caller's engine connects to neither.
+        from sqlalchemy import create_engine
+
+        for path in (missing, foreign):
+            engine = create_engine(f"sqlite:///{path}")
+            with pytest.raises(dcache.NoStoreError):
+                DB(engine, create=False)
+            engine.dispose()
+        assert not missing.exists()
+        assert foreign.read_bytes() == content
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["foreign.sqlite3"]
         return
     if backend == "pgbouncer":
         pytest.skip("the PostgreSQL server of the postgresql backend: tested there")
