@@ -425,12 +425,19 @@ def explain_open_failure(url: str, shown_url: str, exc: BaseException) -> OpenFa
         backend, backend
     )
     at = f"{host}:{port}" if port else host
-    if "permission denied" in low or "command denied" in low:
-        user = u.username or "the URL's user"
+    user = u.username or "the URL's user"
+    if "permission denied for schema" in low or "create command denied" in low:
         return OpenFailure(
             f"cannot open the database {shown_url}: {cause}; {user} may not create the "
             f"store's tables in {database!r}: make it the database's owner "
             f"(createdb -O {user} ...) or GRANT it CREATE on the schema",
+            False,
+        )
+    if "permission denied" in low or "command denied" in low:
+        return OpenFailure(
+            f"cannot open the database {shown_url}: {cause}; {user} lacks a privilege "
+            "the store needs: GRANT it CONNECT on the database and SELECT, INSERT, "
+            "UPDATE, DELETE on the store's tables (or use the role that created them)",
             False,
         )
     if re.search(r'role "[^"]*" does not exist|no such user', low):

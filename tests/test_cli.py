@@ -1719,6 +1719,14 @@ def test_a_role_that_may_not_create_the_store_is_told_so(
         assert "is running" not in line
         assert f"may not create the store's tables in {database!r}" in line
         assert f"createdb -O {role}" in line or "GRANT" in line
+        # The store made by its owner, the role may not read it: told what to grant.
+        dcache.DB.open(admin_url.set(database=database).render_as_string(False)).close()
+        done = cli(env, "jobs", "--db", url.render_as_string())
+        assert done.returncode == 1, done.stderr
+        (line,) = done.stderr.strip().splitlines()
+        assert "permission denied for table" in line
+        assert "may not create" not in line
+        assert "GRANT it CONNECT on the database and SELECT, INSERT, UPDATE, DELETE" in line
     finally:
         with admin.connect() as conn:
             conn.execute(text(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
