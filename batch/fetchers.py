@@ -759,9 +759,10 @@ class Fetcher:
             raise
         except _WireCapExceeded:
             raise FetchError(
-                f"response is over {self.max_bytes} bytes (headers and framing included: "
-                f"{_wire_cap(self.max_bytes)} bytes read)",
-                hint="raise Fetcher(max_bytes=...)",
+                f"response took over {_wire_cap(self.max_bytes)} bytes on the wire, headers "
+                f"and framing included (its body may take {self.max_bytes})",
+                hint="the server sends far more than its body; raise Fetcher(max_bytes=...) "
+                "if it is to be read",
             ) from None
         except (_Timeout, TimeoutError):
             raise FetchError(
