@@ -1727,11 +1727,9 @@ def test_an_interrupted_leader_answers_its_batch_and_hands_the_writer_on(db: DB)
         assert db.write_target(job.id, 0, status="done", ttl=TTL, now=T0).stored
 
 
-def test_an_outcome_that_breaks_its_own_statement_in_python_fails_alone(db: DB) -> None:
-    """An error that is no database's (a caller's index no integer column holds: SQLite's
-    driver raises OverflowError before sending it) is that outcome's own: it is answered
-    with it, and the others of its batch are committed without it."""
-    jobs_ = [created(db, caller=f"c{i}", n=1) for i in range(4)]
+def first_target_update_held() -> tuple[Any, threading.Event, threading.Event]:
+    """A ``before_cursor_execute`` hook that holds the first target update in it (setting
+    ``holding``) until ``hold`` is set; ``(hook, hold, holding)``."""
     hold, holding = threading.Event(), threading.Event()
 
     def hook(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
@@ -1739,20 +1737,37 @@ def test_an_outcome_that_breaks_its_own_statement_in_python_fails_alone(db: DB) 
             holding.set()
             hold.wait(10)
 
+    return hook, hold, holding
+
+
+def one_held_batch(
+    db: DB, jobs_: list[JobRow], idx: Any = lambda _job: 0
+) -> tuple[dict[str, dcache.WriteOutcome], dict[str, dcache.StoreError]]:
+    """Write target ``idx(job)`` of each job, the first held until the others have queued
+    behind it (so they form one batch); each job's answer, and each one's error."""
+    hook, hold, holding = first_target_update_held()
     outs: dict[str, dcache.WriteOutcome] = {}
     errors: dict[str, dcache.StoreError] = {}
-    bad = jobs_[2]
 
     def write(job: JobRow) -> None:
-        idx = 2**64 if job is bad else 0
         try:
-            outs[job.id] = db.write_target(job.id, idx, status="done", ttl=TTL, now=T0)
+            outs[job.id] = db.write_target(job.id, idx(job), status="done", ttl=TTL, now=T0)
         except dcache.StoreError as exc:
             errors[job.id] = exc
 
     with first_write_held(db, jobs_, write, hook, holding, hold) as writers:
         hold.set()
         join_all(writers)
+    return outs, errors
+
+
+def test_an_outcome_that_breaks_its_own_statement_in_python_fails_alone(db: DB) -> None:
+    """An error that is no database's (a caller's index no integer column holds: SQLite's
+    driver raises OverflowError before sending it) is that outcome's own: it is answered
+    with it, and the others of its batch are committed without it."""
+    jobs_ = [created(db, caller=f"c{i}", n=1) for i in range(4)]
+    bad = jobs_[2]
+    outs, errors = one_held_batch(db, jobs_, lambda job: 2**64 if job is bad else 0)
     if db.dialect == "mysql":  # MariaDB compares 2**64 with the column: no such target
         assert not errors and not outs[bad.id].stored
     else:
@@ -1781,29 +1796,9 @@ def test_a_lock_wait_on_one_outcomes_row_does_not_fail_the_others(
     wipe(db)
     jobs_ = [created(db, caller=f"c{i}", n=1) for i in range(4)]
     bad = jobs_[2]
-    hold, holding = threading.Event(), threading.Event()
-
-    def hook(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        if "UPDATE batch_target" in statement and not holding.is_set():
-            holding.set()
-            hold.wait(10)
-
-    outs: dict[str, dcache.WriteOutcome] = {}
-    errors: dict[str, dcache.StoreError] = {}
-
-    def write(job: JobRow) -> None:
-        try:
-            outs[job.id] = db.write_target(job.id, 0, status="done", ttl=TTL, now=T0)
-        except dcache.StoreError as exc:
-            errors[job.id] = exc
-
     try:
-        with (
-            job_row_locked(db, bad.id),
-            first_write_held(db, jobs_, write, hook, holding, hold) as writers,
-        ):
-            hold.set()
-            join_all(writers)
+        with job_row_locked(db, bad.id):
+            outs, errors = one_held_batch(db, jobs_)
         assert set(errors) == {bad.id}, errors
         assert isinstance(errors[bad.id], dcache.StoreUnavailableError)
         for job in jobs_:
@@ -1820,12 +1815,7 @@ def test_closing_the_writer_waits_for_the_commit_under_way(db: DB) -> None:
     is answered: a close() during a commit waits for it (and is woken when it ends), and
     the outcomes written meanwhile are all stored."""
     jobs_ = [created(db, caller=f"c{i}", n=1) for i in range(3)]
-    hold, holding = threading.Event(), threading.Event()
-
-    def hook(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        if "UPDATE batch_target" in statement and not holding.is_set():
-            holding.set()
-            hold.wait(10)
+    hook, hold, holding = first_target_update_held()
 
     outs: dict[str, dcache.WriteOutcome] = {}
     closed = threading.Event()
