@@ -29,6 +29,7 @@ from dcache import (
     TargetRow,
     WriteOutcome,
 )
+from dcache._queries import check_limit
 from dcache._rows import as_shown, in_flight
 from dcache._schema import CANCELLED, DONE, FAILED, RUNNING
 from dcache._shared import utf8_size
@@ -1164,10 +1165,9 @@ class Runner:
         """Visible jobs, newest first; optionally one caller's, optionally only live ones.
 
         Raises:
-            ValueError: ``limit`` is not an ``int`` of 0 or more.
+            ValueError: ``limit`` is not an ``int`` from 0 to ``2**63 - 1``.
         """
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-            raise ValueError(f"limit must be an int of 0 or more, not {limit!r}")
+        check_limit(limit)  # before the caller: a bad limit is refused whoever asks
         if caller is not None:
             try:
                 check_text(caller, "caller", limit=MAX_CALLER_LENGTH)

@@ -32,6 +32,20 @@ R = TypeVar("R")
 MAX_LIMIT = 2**63 - 1  # the largest LIMIT every backend takes (a signed 64-bit integer)
 
 
+def check_limit(limit: object) -> None:
+    """Refuse a list's ``limit`` that is not an ``int`` from 0 to ``2**63 - 1``.
+
+    Raises:
+        ValueError: it is not.
+    """
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ValueError(f"limit must be an int of 0 or more, not {limit!r}")
+    if limit > MAX_LIMIT:
+        # No backend takes a LIMIT past a signed 64-bit integer: SQLite's driver
+        # overflows, the servers refuse the statement's syntax.
+        raise ValueError(f"limit must be at most 2**63 - 1 ({MAX_LIMIT}), not {limit}")
+
+
 class JobReads:
     """The read methods of :class:`DB`."""
 
@@ -235,12 +249,7 @@ class JobReads:
         Raises:
             ValueError: ``limit`` is not an ``int`` from 0 to ``2**63 - 1``.
         """
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-            raise ValueError(f"limit must be an int of 0 or more, not {limit!r}")
-        if limit > MAX_LIMIT:
-            # No backend takes a LIMIT past a signed 64-bit integer: SQLite's driver
-            # overflows, the servers refuse the statement's syntax.
-            raise ValueError(f"limit must be at most 2**63 - 1 ({MAX_LIMIT}), not {limit}")
+        check_limit(limit)
         if caller is not None and not findable(caller):
             return []
         now = aware_now(now)
