@@ -605,26 +605,6 @@ def test_ctrl_c_cancels_the_job_stores_the_target_in_flight_and_exits_130(
     assert fetched(env) == ["test://x/a"]
 
 
-def test_second_ctrl_c_leaves_at_once_with_the_job_cancelled(
-    env: dict[str, str], tmp_path: Path
-) -> None:
-    """A second Ctrl-C does not wait for a stuck fetch; the job stays cancelled."""
-    targets = write(tmp_path / "t.txt", "test://x/a", "test://x/b")
-    proc = spawn(env, "run", "--fetch", "cli_fetch:blocking", targets)
-    try:
-        until(lambda: _started(tmp_path, "a"))
-        proc.send_signal(signal.SIGINT)
-        until(lambda: only_job(env).status == "cancelled")
-        proc.send_signal(signal.SIGINT)
-        _out, err = proc.communicate(timeout=30)
-    finally:
-        Path(env["BATCH_TEST_GO"]).touch()
-        proc.kill()
-    assert proc.returncode == 130, err
-    assert only_job(env).status == "cancelled"
-    assert fetched(env) == ["test://x/a"]
-
-
 def _default_signals() -> None:
     """``preexec_fn``: SIGINT, SIGTERM and SIGHUP at their default actions, whatever the
     test runner inherited (``nohup`` ignores SIGHUP, a background job SIGINT)."""
@@ -661,22 +641,24 @@ def test_sigterm_or_sighup_cancels_the_job_stores_the_target_in_flight_and_exits
     assert again.returncode == 0, again.stderr
 
 
-def test_a_second_sigterm_leaves_at_once_with_the_job_cancelled(
-    env: dict[str, str], tmp_path: Path
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_second_ctrl_c_or_sigterm_leaves_at_once_with_the_job_cancelled(
+    env: dict[str, str], tmp_path: Path, sig: signal.Signals
 ) -> None:
-    """As a second Ctrl-C: a stuck fetch is not waited for, and the job is not left running."""
+    """A second Ctrl-C (or SIGTERM) does not wait for a stuck fetch; the job is not left
+    running: it stays cancelled."""
     targets = write(tmp_path / "t.txt", "test://x/a", "test://x/b")
     proc = spawn(env, "run", "--fetch", "cli_fetch:blocking", targets, preexec_fn=_default_signals)
     try:
         until(lambda: _started(tmp_path, "a"))
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         until(lambda: only_job(env).status == "cancelled")
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         _out, err = proc.communicate(timeout=30)
     finally:
         Path(env["BATCH_TEST_GO"]).touch()
         proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert proc.returncode == 128 + sig, err
     assert "leaving without waiting" in err
     assert "Traceback" not in err
     assert only_job(env).status == "cancelled"

@@ -923,23 +923,30 @@ def test_postgresql_serialization_failure_40001_is_transient(postgres_url: str) 
     assert dcache.is_transient(info.value)
 
 
+def _lock_wait_cut_by(url: str, setting: str) -> Any:
+    """The error of a row-lock wait on ``url`` that ``setting`` (run first in the waiting
+    session) cuts short."""
+    with two_connections(url) as (a, b):
+        a.begin()
+        lock_row(a, "fault-x")
+        b.execute(text(setting))
+        b.commit()
+        b.begin()
+        with pytest.raises(sa_exc.OperationalError) as info:
+            lock_row(b, "fault-x")
+    return info.value
+
+
 def test_postgresql_lock_timeout_55p03_is_transient_like_mariadb_1205(postgres_url: str) -> None:
     """A lock wait that an operator's lock_timeout cut short (55P03) is worth a retry.
 
     It is the same event as MariaDB's lock wait timeout (1205) and SQLite's busy timeout,
     which are retried too; treating them alike keeps behaviour the same on every backend.
     """
-    with two_connections(postgres_url) as (a, b):
-        a.begin()
-        lock_row(a, "fault-x")
-        b.execute(text("SET lock_timeout = '100ms'"))
-        b.commit()
-        b.begin()
-        with pytest.raises(sa_exc.OperationalError) as info:
-            lock_row(b, "fault-x")
-    assert info.value.orig.sqlstate == "55P03"
-    assert dcache.is_transient(info.value)
-    translated = dcache._errors.translate(info.value)
+    err = _lock_wait_cut_by(postgres_url, "SET lock_timeout = '100ms'")
+    assert err.orig.sqlstate == "55P03"
+    assert dcache.is_transient(err)
+    translated = dcache._errors.translate(err)
     assert type(translated) is dcache.StoreUnavailableError
 
 
@@ -947,16 +954,9 @@ def test_postgresql_statement_timeout_57014_is_transient(postgres_url: str) -> N
     """A statement the server cancelled (statement_timeout, an operator's
     pg_cancel_backend) says nothing about its data: retried, as a lock timeout is, so a
     drain's fetched result is stored once the wait is over, not thrown away as refused."""
-    with two_connections(postgres_url) as (a, b):
-        a.begin()
-        lock_row(a, "fault-x")
-        b.execute(text("SET statement_timeout = '100ms'"))
-        b.commit()
-        b.begin()
-        with pytest.raises(sa_exc.OperationalError) as info:
-            lock_row(b, "fault-x")
-    assert info.value.orig.sqlstate == "57014"
-    assert type(dcache._errors.translate(info.value)) is dcache.StoreUnavailableError
+    err = _lock_wait_cut_by(postgres_url, "SET statement_timeout = '100ms'")
+    assert err.orig.sqlstate == "57014"
+    assert type(dcache._errors.translate(err)) is dcache.StoreUnavailableError
 
 
 @pytest.mark.parametrize("how", ["max_statement_time", "kill_query"])

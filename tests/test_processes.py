@@ -595,6 +595,16 @@ def test_a_runner_reaped_while_it_stood_still_starts_no_new_fetch(
     assert_targets(found[1], done=1, total=3)
 
 
+def assert_reaped_after_a_silent_window(world: World, judge: batch.Runner, job_id: str) -> None:
+    """The job's owner silent from now on: not yet dead after exactly the judge's window
+    (three periods), reaped a second later (its job failed "restart")."""
+    world.mono.advance(PERIOD, 3)
+    assert judge.check_owners() == 0
+    world.mono.advance(dt.timedelta(seconds=1))
+    assert judge.check_owners() == 1
+    assert (job_of(judge, job_id).status, job_of(judge, job_id).error) == ("failed", "restart")
+
+
 def test_a_read_or_beat_of_the_judge_held_up_is_no_evidence_against_a_peer(
     world: World, clock: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -628,11 +638,7 @@ def test_a_read_or_beat_of_the_judge_held_up_is_no_evidence_against_a_peer(
     assert b.check_owners() == 0
     assert job_of(b, job_id).status == "running"
     # From here A is silent while the judge's reads and beats go through at once.
-    world.mono.advance(PERIOD, 3)
-    assert b.check_owners() == 0
-    world.mono.advance(dt.timedelta(seconds=1))
-    assert b.check_owners() == 1
-    assert (job_of(b, job_id).status, job_of(b, job_id).error) == ("failed", "restart")
+    assert_reaped_after_a_silent_window(world, b, job_id)
 
 
 @pytest.mark.parametrize("step", [60, -60, 3600, -86400], ids=lambda s: f"step{s:+d}s")
@@ -655,11 +661,7 @@ def test_a_wall_clock_step_never_reaps_a_beating_peer(world: World, clock: Any, 
         assert job_of(b, job_id).status == "running"
     # A wall clock is no evidence either way: A falls silent and is reaped on B's own
     # monotonic clock, however far the wall clocks have moved.
-    world.mono.advance(PERIOD, 3)
-    assert b.check_owners() == 0
-    world.mono.advance(dt.timedelta(seconds=1))
-    assert b.check_owners() == 1
-    assert (job_of(b, job_id).status, job_of(b, job_id).error) == ("failed", "restart")
+    assert_reaped_after_a_silent_window(world, b, job_id)
 
 
 def test_a_beat_that_the_judge_missed_seeing_still_counts(world: World, clock: Any) -> None:
