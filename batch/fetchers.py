@@ -663,12 +663,14 @@ class Fetcher:
             body, meta = self._read_file(target.url)
         else:
             body, meta = self._get(target.url)
-        content = _decode(body, meta)
-        if target.options.grep:
-            if meta.get("encoding") == "base64":
-                content = _as_text_for_grep(body, meta)
-            needle = target.options.grep
-            content = "\n".join(line for line in content.splitlines() if needle in line)
+        if not target.options.grep:
+            return Result(_decode(body, meta), meta)
+        if _is_text(str(meta.get("content_type", ""))):
+            content = _decode(body, meta)
+        else:
+            content = _as_text_for_grep(body, meta)
+        needle = target.options.grep
+        content = "\n".join(line for line in content.splitlines() if needle in line)
         return Result(content, meta)
 
     # -- file: --------------------------------------------------------------------------
@@ -1025,17 +1027,16 @@ def _decode(body: bytes, meta: dict[str, Any]) -> str:
 
 def _as_text_for_grep(body: bytes, meta: dict[str, Any]) -> str:
     """A body not labelled text, read as the UTF-8 text that ``grep`` searches (servers
-    label plain files ``application/octet-stream``); one that is no UTF-8 fails."""
+    label plain files ``application/octet-stream``); one that is no UTF-8 fails. (Not
+    first encoded as base64, as :func:`_decode` would.)"""
     try:
-        text = body.decode("utf-8")
+        return body.decode("utf-8")
     except UnicodeDecodeError:
         ctype = str(meta.get("content_type") or "no content type")
         raise FetchError(
             f"grep needs a text body: this one is binary ({ctype[:100]})",
             hint="fetch it without grep",
         ) from None
-    meta.pop("encoding", None)
-    return text
 
 
 fetch: Fetcher = Fetcher()
