@@ -37,6 +37,23 @@ MYSQL_URL = os.environ.get(
 )
 REQUIRE_SERVERS = bool(os.environ.get("CI") or os.environ.get("DCACHE_REQUIRE_SERVERS"))
 
+# Under ``pytest -n N`` (pytest-xdist) each worker process runs its tests on databases of
+# its own beside the configured ones (``test`` -> ``test_gw0``, created in pytest_configure):
+# workers never empty or lock each other's tables; a test that restarts a server runs alone
+# (_whole_server_turn). The server-side
+# checks the tests make (lock waiters, connections) already look at their own database.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+_CONFIGURED_URLS = (POSTGRES_URL, MYSQL_URL)
+
+
+def _worker_url(url: str) -> str:
+    u = make_url(url)
+    return u.set(database=f"{u.database}_{WORKER}").render_as_string(hide_password=False)
+
+
+if WORKER:
+    POSTGRES_URL, MYSQL_URL = (_worker_url(u) for u in _CONFIGURED_URLS)
+
 # schemathesis 4 needs Python 3.11: the dev extras leave it out on 3.10 (pyproject.toml),
 # and its tests with it. CI runs them (3.11).
 collect_ignore = ["test_schemathesis.py"] if sys.version_info < (3, 11) else []
@@ -69,6 +86,61 @@ def pgbouncer_url() -> str:
             pytest.skip(why)
         _bouncer = _pgbouncer.start(POSTGRES_URL)
     return _bouncer.url()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A worker of ``pytest -n`` creates its own databases (see WORKER) before any test."""
+    if not WORKER:
+        return
+    for url in _CONFIGURED_URLS:
+        with contextlib.suppress(Exception):  # a server that does not answer: _check_server
+            database_beside(url, f"_{WORKER}")
+
+
+@pytest.fixture(autouse=True)
+def _whole_server_turn(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
+    """Under ``pytest -n``, a test marked ``whole_server`` (it restarts a shared server)
+    runs alone: every test holds a shared lock on a file of the run for its whole life,
+    such a test holds it exclusively. A turnstile lock, taken by all on the way in and
+    kept by the exclusive test, stops the others from starving it."""
+    if not WORKER:
+        yield
+        return
+    import fcntl
+
+    root = tmp_path_factory.getbasetemp().parent  # the run's, shared by its workers
+    alone = request.node.get_closest_marker("whole_server") is not None
+    with open(root / "turnstile.lock", "a") as turn, open(root / "servers.lock", "a") as lock:
+        fcntl.flock(turn, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            if not alone:
+                fcntl.flock(turn, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            fcntl.flock(turn, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Captured output with a lone surrogate (tests feed the store such text on purpose)
+    escaped: pytest-xdist's workers send reports as UTF-8 and cannot send it raw."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    report.sections = [(k, _utf8_safe(v)) for k, v in report.sections]
+    if report.longrepr is not None and not isinstance(report.longrepr, tuple):
+        text = str(report.longrepr)
+        if _utf8_safe(text) != text:
+            report.longrepr = _utf8_safe(text)
+
+
+def _utf8_safe(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

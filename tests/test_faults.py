@@ -353,6 +353,7 @@ def test_requests_fail_fast_when_the_server_stops_answering_without_a_reset(cut:
 
 
 @pytest.mark.slow
+@pytest.mark.whole_server
 @pytest.mark.skipif(
     not (os.environ.get("CI") or os.environ.get("DCACHE_ALLOW_PG_RESTART")),
     reason="restarts the shared PostgreSQL server: set CI or DCACHE_ALLOW_PG_RESTART=1",
