@@ -255,7 +255,9 @@ class DB(
 
         Args:
             engine: a SQLAlchemy engine on SQLite, PostgreSQL (psycopg) or MySQL/MariaDB
-                (PyMySQL).
+                (PyMySQL). Behind PgBouncer in transaction mode, make it with
+                ``connect_args={"prepare_threshold": None}`` (what :meth:`open`'s
+                ``pgbouncer`` option does; docs/howto/pgbouncer.md).
             io_timeout: PostgreSQL and MySQL: seconds a statement may wait for the server
                 before it fails with :class:`StoreUnavailableError`; ``None`` (the default
                 here, as the engine is the caller's) leaves the driver's waits unbounded.

@@ -79,13 +79,19 @@ def prepare_engine(
             event.listen(engine, "begin", _sqlite_begin_marker)
         return
     pool = engine.pool
+    dialect = engine.dialect
+    lost: LostPrepared | None = None
+    if dialect.driver == "psycopg":
+        if not isinstance(dialect.is_disconnect, LostPrepared):
+            # The engine's own dialect instance (shared by its execution_options engines).
+            setattr(dialect, "is_disconnect", LostPrepared(dialect.is_disconnect))  # noqa: B010
+        lost = dialect.is_disconnect  # type: ignore[assignment]
     if not any(isinstance(fn, _ConnectionSetup) for fn in pool.dispatch.checkout):
-        setup = _ConnectionSetup(engine.dialect, io_timeout)
+        setup = _ConnectionSetup(engine.dialect, io_timeout, lost)
         # "connect" prepares new connections before their first use; "checkout" catches
         # those a caller's pool opened before the store was attached (a dict lookup).
         event.listen(pool, "connect", setup)
         event.listen(pool, "checkout", setup)
-    dialect = engine.dialect
     if io_timeout is not None and not any(
         isinstance(fn, _ConnectArgs) for fn in dialect.dispatch.do_connect
     ):
@@ -126,14 +132,54 @@ class RecentPing:
             self.used[dbapi_conn] = time.monotonic()
 
 
-class _ConnectionSetup:
-    """Pool listener: prepare each DBAPI connection once (isolation level, io deadline)."""
+class LostPrepared:
+    """psycopg's ``is_disconnect``, which also takes a lost or clashing prepared statement
+    (26000, 42P05) for the sign it is: a pooler in transaction mode (PgBouncer) between
+    the store and PostgreSQL that the store was not told of (``pgbouncer=True``).
 
-    def __init__(self, dialect: Any, io_timeout: float | None) -> None:
+    psycopg prepares a statement after 5 executions, under a name counted per client
+    connection; behind such a pooler the next transaction may run on a server connection
+    that lacks it ("does not exist") or holds another client's under that name ("already
+    exists"). Taken as a lost connection, the error invalidates the pool's connections
+    and is transient (the outcome is retried, not refused), and from then on the store
+    prepares nothing (:class:`_ConnectionSetup`), as the option would have made it. Until
+    the first such error, a statement of another client's under the same name and
+    parameter types may run in the store's place: only the option rules that out.
+    """
+
+    def __init__(self, is_disconnect: Callable[..., bool]) -> None:
+        self.is_disconnect = is_disconnect
+        self.seen = False
+
+    def __call__(self, e: Any, connection: Any, cursor: Any) -> bool:
+        if getattr(e, "sqlstate", None) in ("26000", "42P05"):
+            if not self.seen:
+                self.seen = True
+                log.error(
+                    "PostgreSQL lost a prepared statement of the store's (%s): is a pooler "
+                    "in transaction mode (PgBouncer) in between? The store prepares no more "
+                    "statements from now on; open it with pgbouncer=True (or ?pgbouncer=true "
+                    "in the URL) to say so from the start",
+                    e,
+                )
+            return True
+        return self.is_disconnect(e, connection, cursor)
+
+
+class _ConnectionSetup:
+    """Pool listener: prepare each DBAPI connection once (isolation level, io deadline),
+    and stop every one preparing statements once :class:`LostPrepared` has seen why."""
+
+    def __init__(
+        self, dialect: Any, io_timeout: float | None, lost: LostPrepared | None = None
+    ) -> None:
         self.dialect = dialect
         self.io_timeout = io_timeout
+        self.lost = lost
 
     def __call__(self, dbapi_conn: Any, record: Any, *_proxy: Any) -> None:
+        if self.lost is not None and self.lost.seen:
+            dbapi_conn.prepare_threshold = None
         info = record.info
         if info.get(_SETUP_KEY):
             return

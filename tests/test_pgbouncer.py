@@ -186,3 +186,50 @@ def test_the_store_sends_nothing_session_level(bounced: dcache.DB) -> None:
     bad = [s for s in sent if s.lstrip().upper().startswith(session_level)]
     bad += [s for s in sent if "pg_advisory_lock" in s or "pg_try_advisory_lock" in s]
     assert not bad, bad
+
+
+def test_without_the_option_the_store_stops_preparing_at_the_first_lost_statement(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A store not told of the bouncer meets the failure above: the error is a lost
+    connection (transient: retried, never a refused result), it says what to set, and
+    from then on the store prepares nothing and the same sequence works."""
+    pgbouncer_url()  # skips or fails as the shared one would
+    bouncer = _pgbouncer.start(POSTGRES_URL, pool_size=2)
+    store = dcache.DB.open(bouncer.url(flag=False), pool_size=1, max_overflow=0)
+    fetched: list[str] = []
+    runner = batch.Runner(store, lambda t: fetched.append(t.url) or Result(t.url))
+    try:
+        with psycopg.connect(_conninfo(bouncer.url())) as other:
+            outcomes: list[str] = []
+            for round_ in range(6):
+                for _ in range(8):  # far past psycopg's 5: prepared on the connection
+                    try:
+                        store.get_job("no-such-job")
+                        outcomes.append("ok")
+                    except dcache.StoreError as exc:  # the store's "retry later" kind only
+                        assert isinstance(exc, dcache.StoreUnavailableError), exc
+                        outcomes.append(type(exc).__name__)
+                # Another client takes the server connection the store's statements were
+                # prepared on (or gives it back): the store's next one runs on the other.
+                if round_ % 2 == 0:
+                    other.execute("SELECT 1")
+                else:
+                    other.rollback()
+            assert "StoreUnavailableError" in outcomes, "the bouncer never moved the store"
+            assert outcomes[-16:] == ["ok"] * 16, outcomes
+            with store.engine.connect() as conn:
+                assert conn.connection.driver_connection.prepare_threshold is None  # type: ignore[union-attr]
+            other.execute("SELECT 1")
+            targets = [{"url": f"https://example.com/{i}"} for i in range(12)]
+            job_id, _ = runner.submit("c", "free", targets)
+            final = runner.wait(job_id, timeout=WAIT)
+            other.rollback()
+        assert final is not None and final.status == "done", final
+        assert fetched == [t["url"] for t in targets]
+        said = [r for r in caplog.records if "pgbouncer=True" in r.getMessage()]
+        assert len(said) == 1 and said[0].levelname == "ERROR", said
+    finally:
+        runner.close()
+        store.close()
+        bouncer.stop()
