@@ -311,14 +311,18 @@ class Sender:
             return elapsed + attempt <= usable
 
         attempted = 0
-        for row in rows:
-            if self._stop.is_set():
-                break  # the claim lapses; another sender (or this one, later) takes it
-            # Asked before the attempt is prepared and again before it is sent: reading
-            # the job and the app's secret lookup take time of the claim too.
-            if not (fits() and self._deliver(row, attempt, fits)):
-                break  # the claim could lapse mid-attempt: the rest wait for it to lapse
+        left = list(rows)
+        # Asked before the attempt is prepared and again before it is sent: reading the
+        # job and the app's secret lookup take time of the claim too.
+        while left and not self._stop.is_set() and fits():
+            if not self._deliver(left.pop(0), attempt, fits):
+                break
             attempted += 1
+        if left:
+            # Stopping, or the claim could lapse mid-attempt: the rows not attempted are
+            # given back now rather than left claimed for a lease, so that the next claim
+            # (a peer's, this sender's, or the next runner's after a restart) takes them.
+            runner.db.release_notifications(runner.owner, [r.id for r in left])
         return attempted
 
     def payload(self, row: dcache.NotificationRow) -> bytes:

@@ -22,6 +22,7 @@ so it is never lost.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -198,6 +199,26 @@ class OutboxQueries:
                     .values(claimed_by=owner, claimed_until=now + lease, updated_at=now)
                 )
         return rows
+
+    @wrap_errors
+    def release_notifications(self, owner: str, msg_ids: Sequence[str]) -> int:
+        """Give back rows this ``owner`` claimed and will not attempt (a sender stopping,
+        or a claim with no time left for them): the next claim takes them at once, not
+        after the lease. Rows since recorded or claimed by another are left alone; how
+        many were given back."""
+        if not msg_ids:
+            return 0
+        with self._write() as conn:
+            n = conn.execute(
+                update(outbox)
+                .where(
+                    outbox.c.id.in_(list(msg_ids)),
+                    outbox.c.claimed_by == owner,
+                    outbox.c.status == UNDELIVERED,
+                )
+                .values(claimed_by="", claimed_until=None)
+            ).rowcount
+        return int(n)
 
     @wrap_errors
     def record_attempt(

@@ -736,6 +736,35 @@ def test_a_sender_stops_before_a_row_whose_claim_could_lapse_mid_delivery(
         receiver.close()
 
 
+def test_a_sender_that_stops_mid_batch_gives_back_the_rows_it_did_not_attempt(
+    db: dcache.DB,
+) -> None:
+    """A clean stop (a runner's close, a worker recycled) must not leave the rest of its
+    claim to lapse: the next runner would wait a lease (a minute) before sending them."""
+    clock = Clock(dt.datetime.now(dt.timezone.utc))
+    sender: Sender | None = None
+
+    def stop_now(headers: dict[str, str], body: bytes) -> None:
+        assert sender is not None
+        sender.stop()  # as close() does while an attempt is under way
+
+    receiver = Receiver(on_post=stop_now)
+    try:
+        for i in range(5):
+            job_id = queued(db, receiver.url, clock.now, caller=f"c{i}")
+            db.write_target(job_id, 0, status="done", ttl=dt.timedelta(hours=1), now=clock.now)
+        with batch.Runner(db, ok, clock=clock) as runner:
+            sender = Sender(runner, hooks())
+            assert sender.deliver_due() == 1
+            sent = {h["webhook-id"] for h, _ in receiver.seen}
+            # At the same instant, another sender takes every row not attempted.
+            rest = {r.id for r in db.claim_notifications("next", now=clock.now)}
+            assert rest == {f"msg_{j}" for j in jobs_of(db)} - sent
+            assert len(rest) == 4
+    finally:
+        receiver.close()
+
+
 def jobs_of(db: dcache.DB) -> list[str]:
     with db.engine.connect() as conn:
         return list(conn.execute(select(jobs.c.id)).scalars())
