@@ -765,6 +765,32 @@ def test_a_sender_that_stops_mid_batch_gives_back_the_rows_it_did_not_attempt(
         receiver.close()
 
 
+def test_close_keeps_its_bound_while_an_attempt_hangs(db: dcache.DB) -> None:
+    """close(timeout) takes at most twice its timeout (the runner's docs), a webhook
+    attempt under way included: it no longer waits out the attempt's own timeout."""
+    entered, hang = threading.Event(), threading.Event()
+
+    def stall(headers: dict[str, str], body: bytes) -> None:
+        entered.set()
+        hang.wait(WAIT)
+
+    receiver = Receiver(on_post=stall)
+    runner = batch.Runner(db, ok, webhooks=hooks(timeout=8.0, lease=dt.timedelta(seconds=30)))
+    try:
+        job_id, _ = runner.submit("alice", "free", urls(1), notify=receiver.url)
+        assert runner.wait(job_id, timeout=WAIT) is not None
+        assert entered.wait(WAIT), "the attempt never started"
+        t0 = time.monotonic()
+        runner.close(timeout=0.5)
+        took = time.monotonic() - t0
+        assert took < 2 * 0.5 + 1.5, f"close(timeout=0.5) took {took:.1f} s"
+    finally:
+        hang.set()
+        if runner._sender is not None:  # the attempt ends (and is recorded) before db closes
+            runner._sender.thread.join(WAIT)
+        receiver.close()
+
+
 def jobs_of(db: dcache.DB) -> list[str]:
     with db.engine.connect() as conn:
         return list(conn.execute(select(jobs.c.id)).scalars())
