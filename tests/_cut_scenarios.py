@@ -289,6 +289,10 @@ STORE: dict[str, StoreScenario] = {
             now=c.now,
         )
     ),
+    # Given back: the live owner's claim on a row it will not attempt (a sender stopping).
+    "DB.release_notifications": StoreScenario(
+        lambda db, c: db.release_notifications(OWNER_LIVE, [message_id(J_PARTIAL)])
+    ),
     "DB.notification": StoreScenario(lambda db, c: db.notification(J_PARTIAL)),
     "DB.redeliver": StoreScenario(lambda db, c: db.redeliver(J_CANCEL, now=c.now)),
     "DB.owners": StoreScenario(lambda db, c: db.owners()),
