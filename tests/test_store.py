@@ -2156,6 +2156,34 @@ def test_purge_stops_after_max_batches(db: DB) -> None:
     assert sql(db, "SELECT count(*) FROM batch_target")[0][0] == 0
 
 
+def test_a_purge_transaction_deletes_a_bounded_number_of_bytes(db: DB) -> None:
+    """A purge batch is bounded by what it deletes, not only by its number of jobs: 500
+    lapsed jobs of large results in one transaction held SQLite's write lock (and
+    MariaDB's drains) for seconds. Each transaction takes the oldest jobs up to
+    ``PURGE_BATCH_BYTES`` of stored results (at least one job)."""
+    from dcache._upkeep import PURGE_BATCH_BYTES
+
+    big = "x" * (PURGE_BATCH_BYTES * 5 // 8)  # one fits in a batch, two do not
+    ids = []
+    for caller in "abcd":
+        job = created(db, caller=caller, n=1)
+        db.write_target(job.id, 0, status="done", result=big, ttl=TTL, now=T0)
+        ids.append(job.id)
+    next_second = T0 + dt.timedelta(seconds=1)  # their leases lapse after the large ones'
+    small = [created(db, caller=f"s{i}", n=2, now=next_second) for i in range(3)]
+    for job in small:
+        for idx in range(2):
+            db.write_target(job.id, idx, status="done", result="r", ttl=TTL, now=next_second)
+    later = T0 + 2 * TTL
+    assert db.purge_expired(now=later, max_batches=1) == 1
+    assert db.purge_expired(now=later, max_batches=2) == 2
+    # The last large one and the small ones after it share a batch.
+    assert db.purge_expired(now=later, max_batches=1) == 4
+    assert db.purge_expired(now=later) == 0
+    assert sql(db, "SELECT count(*) FROM batch_job")[0][0] == 0
+    assert sql(db, "SELECT count(*) FROM batch_tombstone")[0][0] == 7
+
+
 # -- reads ---------------------------------------------------------------------------------
 
 
