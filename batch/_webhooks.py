@@ -14,6 +14,7 @@ two healthy senders never send one notification at once.
 from __future__ import annotations
 
 import base64
+import collections
 import datetime as dt
 import hashlib
 import hmac
@@ -137,6 +138,9 @@ class Webhooks:
         finish_wait: how long the announcement of a cancelled job waits for the job to
             finish (its drain stops once the target in flight is stored; if the owner
             died, a reaper finishes it) before it goes out anyway.
+        concurrency: how many attempts one sender makes at once, so that a receiver
+            that never answers holds back the others' notifications by no more than
+            its share of them.
     """
 
     secret: Secrets | Callable[[str], Secrets] = attrs.field(repr=_secret_repr)
@@ -148,10 +152,17 @@ class Webhooks:
     poll: float = 1.0
     lease: dt.timedelta = dt.timedelta(seconds=60)
     finish_wait: dt.timedelta = dt.timedelta(minutes=10)
+    concurrency: int = 4
 
     @secret.validator
     def _check(self, _a: object, value: object) -> None:
         _check_secrets(value)
+        if (
+            isinstance(self.concurrency, bool)
+            or not isinstance(self.concurrency, int)
+            or not 1 <= self.concurrency <= 64
+        ):
+            raise ValueError(f"concurrency must be an int from 1 to 64, not {self.concurrency!r}")
         if not 0 <= self.jitter < 1:
             raise ValueError("jitter must be from 0 to less than 1")
         if self.timeout <= 0 or self.poll <= 0 or self.lease <= dt.timedelta(0):
@@ -294,7 +305,8 @@ class Sender:
         runner = self.runner
         usable = self.hooks.lease.total_seconds() * _LEASE_USE
         attempt = min(self.hooks.timeout, usable / 2)
-        limit = max(1, min(_CLAIM_MAX, int(usable // attempt)))
+        lanes = self.hooks.concurrency
+        limit = max(1, min(_CLAIM_MAX * lanes, lanes * int(usable // attempt)))
         started, claimed_at = time.monotonic(), runner._clock()
         rows = runner.db.claim_notifications(
             runner.owner,
@@ -310,20 +322,53 @@ class Sender:
             )
             return elapsed + attempt <= usable
 
-        attempted = 0
-        left = list(rows)
-        # Asked before the attempt is prepared and again before it is sent: reading the
-        # job and the app's secret lookup take time of the claim too.
-        while left and not self._stop.is_set() and fits():
-            if not self._deliver(left.pop(0), attempt, fits):
-                break
-            attempted += 1
+        left = collections.deque(rows)
+        taking = threading.Lock()
+        attempted = [0]
+        failed: list[BaseException] = []
+
+        def lane() -> None:
+            """Attempt the claim's rows one after the other, beside the other lanes."""
+            try:
+                while True:
+                    # Asked before the attempt is prepared and again before it is sent:
+                    # reading the job and the app's secret lookup take time of the claim.
+                    with taking:
+                        if failed or not left or self._stop.is_set() or not fits():
+                            return
+                        row = left.popleft()
+                    if not self._deliver(row, attempt, fits):
+                        return
+                    with taking:
+                        attempted[0] += 1
+            except BaseException as exc:
+                with taking:
+                    failed.append(exc)
+
+        lanes_used = min(lanes, len(rows))
+        if lanes_used <= 1:
+            lane()
+        else:
+            threads = [
+                threading.Thread(target=lane, name=f"{self.thread.name}-{n}", daemon=True)
+                for n in range(lanes_used)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
         if left:
             # Stopping, or the claim could lapse mid-attempt: the rows not attempted are
             # given back now rather than left claimed for a lease, so that the next claim
             # (a peer's, this sender's, or the next runner's after a restart) takes them.
-            runner.db.release_notifications(runner.owner, [r.id for r in left])
-        return attempted
+            try:
+                runner.db.release_notifications(runner.owner, [r.id for r in left])
+            except StoreError:
+                if not failed:
+                    raise  # else the lane's error is the one to tell; the claim lapses
+        if failed:
+            raise failed[0]
+        return attempted[0]
 
     def payload(self, row: dcache.NotificationRow) -> bytes:
         """The job as ``GET /jobs/<id>?results=false`` shows it, with its type.

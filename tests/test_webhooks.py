@@ -724,7 +724,9 @@ def test_a_sender_stops_before_a_row_whose_claim_could_lapse_mid_delivery(
             db.write_target(job_id, 0, status="done", ttl=dt.timedelta(hours=1), now=clock.now)
         with batch.Runner(db, ok, clock=clock) as runner:
             lease = dt.timedelta(seconds=60)
-            sender = Sender(runner, hooks(lease=lease, timeout=10.0))
+            # One lane: each answer moves the test's clock as if the attempts came one
+            # after the other (lanes side by side each check their own start the same way).
+            sender = Sender(runner, hooks(lease=lease, timeout=10.0, concurrency=1))
             attempted = sender.deliver_due()
             sent = [h["webhook-id"] for h, _ in receiver.seen]
             assert not set(sent) & taken  # nothing both sent here and claimed there
@@ -759,12 +761,13 @@ def test_a_sender_that_stops_mid_batch_gives_back_the_rows_it_did_not_attempt(
             db.write_target(job_id, 0, status="done", ttl=dt.timedelta(hours=1), now=clock.now)
         with batch.Runner(db, ok, clock=clock) as runner:
             sender = Sender(runner, hooks())
-            assert sender.deliver_due() == 1
+            attempted = sender.deliver_due()  # one per lane, started before the stop
             sent = {h["webhook-id"] for h, _ in receiver.seen}
+            assert 1 <= attempted == len(sent) < 5
             # At the same instant, another sender takes every row not attempted.
             rest = {r.id for r in db.claim_notifications("next", now=clock.now)}
             assert rest == {f"msg_{j}" for j in jobs_of(db)} - sent
-            assert len(rest) == 4
+            assert len(rest) == 5 - attempted
     finally:
         receiver.close()
 
@@ -793,6 +796,48 @@ def test_close_keeps_its_bound_while_an_attempt_hangs(db: dcache.DB) -> None:
         if runner._sender is not None:  # the attempt ends (and is recorded) before db closes
             runner._sender.thread.join(WAIT)
         receiver.close()
+
+
+def test_a_receiver_that_never_answers_does_not_hold_back_the_others(db: dcache.DB) -> None:
+    """A sender makes up to ``concurrency`` attempts at once: three notifications to a
+    dead endpoint, queued first, do not hold back another caller's by their timeouts."""
+    hang = threading.Event()
+    dead, alive = Receiver(on_post=lambda h, b: hang.wait(WAIT)), Receiver()
+    try:
+        now = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=2)
+        for i in range(3):
+            db.write_target(
+                queued(db, dead.url, now, caller=f"d{i}"),
+                0,
+                status="done",
+                ttl=dt.timedelta(hours=1),
+                now=now,
+            )
+        later = now + dt.timedelta(seconds=1)
+        good = queued(db, alive.url, later, caller="good")
+        db.write_target(good, 0, status="done", ttl=dt.timedelta(hours=1), now=later)
+        with batch.Runner(db, ok) as runner:
+            sender = Sender(runner, hooks(timeout=8.0, lease=dt.timedelta(seconds=30)))
+            assert sender.hooks.concurrency >= 4
+            t = threading.Thread(target=sender.deliver_due)
+            t.start()
+            poll(lambda: alive.seen, timeout=4.0)  # well before any dead attempt ends
+            assert not hang.is_set()
+            hang.set()
+            t.join(WAIT)
+            assert not t.is_alive()
+            note = runner.notification(good)
+            assert note is not None and note.status == "delivered"
+    finally:
+        hang.set()
+        dead.close()
+        alive.close()
+
+
+def test_webhooks_concurrency_is_checked() -> None:
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises((ValueError, TypeError), match="concurrency"):
+            batch.Webhooks(secret=SECRET, concurrency=bad)
 
 
 def jobs_of(db: dcache.DB) -> list[str]:
