@@ -1555,9 +1555,9 @@ class Runner:
 
         Live jobs may finish within ``timeout`` seconds (``None``: wait for all). Each
         one still live then stops after its in-flight target is stored (waiting up to
-        ``timeout`` again) and is marked failed with error ``"shutdown"``. A webhook
-        attempt under way is waited for within that bound too (it ends on its own
-        thread). Idempotent.
+        ``timeout`` again) and is marked failed with error ``"shutdown"``. With
+        webhooks, the attempts under way are then waited for (``Webhooks.timeout`` at
+        most), so that each is recorded. Idempotent.
         """
         with self._lock:
             self._closed = True
@@ -1588,11 +1588,10 @@ class Runner:
                 _join(d.thread, None)
         self._stopping.set()
         if self._sender is not None:
-            # An attempt under way may run to its own timeout (10 s): waited for only
-            # while close's bound allows; it ends on its daemon thread, and what the
-            # sender claimed and did not attempt is given back (see Sender.deliver_due).
-            wait = 10.0 if grace is None else max(0.0, grace - time.monotonic())
-            self._sender.stop(timeout=min(wait, 10.0))
+            # The attempts under way end within Webhooks.timeout and are recorded before
+            # close returns (left mid-way, a delivered one would be sent again once its
+            # claim lapsed); what the sender claimed and did not attempt is given back.
+            self._sender.stop(timeout=self._sender.hooks.timeout + 5.0)
         _join(self._beat_thread, time.monotonic() + 5)
         _join(self._maintain_thread, time.monotonic() + 5)
         self._retry_abandoned()
