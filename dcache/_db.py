@@ -414,7 +414,11 @@ class DB(
             engine = create_engine(u, **opts)
             # Before DB() runs: a new SQLite connection reads these at connect time.
             prepare_engine(
-                engine, io_timeout=io_timeout, synchronous=sync, busy_timeout=busy_timeout
+                engine,
+                io_timeout=io_timeout,
+                synchronous=sync,
+                busy_timeout=busy_timeout,
+                guard_prepared=not pgbouncer,
             )
         except sa_exc.SQLAlchemyError as exc:
             raise StoreError(f"cannot open {u!r}: {exc}") from exc

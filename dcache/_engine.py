@@ -63,6 +63,7 @@ def prepare_engine(
     io_timeout: float | None,
     synchronous: str = "NORMAL",
     busy_timeout: float = 30.0,
+    guard_prepared: bool = False,
 ) -> None:
     """Attach the store's per-connection settings to ``engine`` (idempotent).
 
@@ -72,6 +73,9 @@ def prepare_engine(
             before it fails as a lost connection; ``None``: no limit.
         synchronous: SQLite only: the ``PRAGMA synchronous`` of new connections.
         busy_timeout: SQLite only: seconds to wait for a write lock.
+        guard_prepared: psycopg: take a lost prepared statement for a pooler the store
+            was not told of (:class:`LostPrepared`). Only for engines the store built:
+            a caller's engine may run SQL of its own that such an error comes from.
     """
     if engine.dialect.name == "sqlite":
         if not event.contains(engine, "begin", _sqlite_begin_marker):
@@ -80,12 +84,10 @@ def prepare_engine(
         return
     pool = engine.pool
     dialect = engine.dialect
-    lost: LostPrepared | None = None
-    if dialect.driver == "psycopg":
-        if not isinstance(dialect.is_disconnect, LostPrepared):
-            # The engine's own dialect instance (shared by its execution_options engines).
-            setattr(dialect, "is_disconnect", LostPrepared(dialect.is_disconnect))  # noqa: B010
-        lost = dialect.is_disconnect  # type: ignore[assignment]
+    if guard_prepared and dialect.driver == "psycopg" and lost_prepared(engine) is None:
+        # The engine's own dialect instance (shared by its execution_options engines).
+        setattr(dialect, "is_disconnect", LostPrepared(dialect.is_disconnect))  # noqa: B010
+    lost = lost_prepared(engine)
     if not any(isinstance(fn, _ConnectionSetup) for fn in pool.dispatch.checkout):
         setup = _ConnectionSetup(engine.dialect, io_timeout, lost)
         # "connect" prepares new connections before their first use; "checkout" catches
@@ -130,6 +132,12 @@ class RecentPing:
     def checkin(self, dbapi_conn: Any, _record: Any) -> None:
         if dbapi_conn is not None:  # None: the connection was invalidated
             self.used[dbapi_conn] = time.monotonic()
+
+
+def lost_prepared(engine: Engine) -> LostPrepared | None:
+    """The engine's :class:`LostPrepared`, if the store installed one."""
+    found = engine.dialect.is_disconnect
+    return found if isinstance(found, LostPrepared) else None
 
 
 class LostPrepared:

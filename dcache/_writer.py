@@ -60,6 +60,7 @@ from sqlalchemy import (
 from sqlalchemy import exc as sa_exc
 
 from . import _sql
+from ._engine import lost_prepared
 from ._errors import StoreError, is_row_wait, translate
 from ._outbox import message_id, notify_statement
 from ._prepared import Binder, Prepared
@@ -230,6 +231,10 @@ class GroupWriter:
         # An outcome's values converted once for all of its statements (_one_by_one).
         self._binder = Binder([self._job, self._job_whole, self._read_whole, *(self._steps or ())])
         self._sqlite = dialect.name == "sqlite"
+        # Behind a pooler the store was not told of, preparing stops on every connection
+        # once a statement was lost (dcache._engine.LostPrepared): this writer's too,
+        # which it keeps across batches rather than taking it from the pool each time.
+        self._lost = lost_prepared(db.engine)
         self._fresh()
         self._wal = False  # SQLite in WAL mode: the checkpointer is told of commits
         self.commits = 0  # transactions committed (tests and benchmarks read it)
@@ -521,6 +526,8 @@ class GroupWriter:
             self._current = None
             try:
                 conn = self._connection()
+                if self._lost is not None and self._lost.seen:
+                    conn.connection.driver_connection.prepare_threshold = None  # type: ignore[union-attr]
                 if self._wal and self._db._checkpointer.restart_due:
                     self._db._checkpointer.restart(conn.connection.driver_connection)
                 if self._watched():

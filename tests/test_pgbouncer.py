@@ -20,7 +20,7 @@ import psycopg
 import pytest
 from _fetchers import WAIT
 from conftest import POSTGRES_URL, pgbouncer_url, wipe
-from sqlalchemy import event
+from sqlalchemy import create_engine, event
 from sqlalchemy.engine import make_url
 
 import batch
@@ -233,3 +233,59 @@ def test_without_the_option_the_store_stops_preparing_at_the_first_lost_statemen
         runner.close()
         store.close()
         bouncer.stop()
+
+
+def _lose_prepared_statements(store: dcache.DB) -> None:
+    """Drop the server's prepared statements under psycopg's feet (libpq directly), as a
+    pooler does when the next transaction lands on another server connection."""
+    with store.engine.connect() as conn:
+        pgconn = conn.connection.driver_connection.pgconn  # type: ignore[union-attr]
+        pgconn.exec_(b"DEALLOCATE ALL")
+
+
+def test_once_a_statement_was_lost_the_writers_held_connection_stops_preparing_too() -> None:
+    """The group writer keeps its connection across batches (it is not checked out again):
+    the switch reaches it at its next batch, not at its own first lost statement."""
+    pgbouncer_url()  # needs PostgreSQL (the shared PgBouncer is not used)
+    store = dcache.DB.open(POSTGRES_URL, pool_size=1, max_overflow=0)
+    wipe(store)
+    runner = batch.Runner(store, lambda t: Result(t.url))
+    try:
+        first, _ = runner.submit("c", "free", [{"url": f"https://e.com/a{i}"} for i in range(8)])
+        assert runner.wait(first, timeout=WAIT) is not None
+        held = store._group._conn
+        assert held is not None
+        assert held.connection.driver_connection.prepare_threshold == 5  # type: ignore[union-attr]
+        for _ in range(8):  # prepared on the main pool's one connection
+            store.get_job("no-such-job")
+        _lose_prepared_statements(store)
+        with pytest.raises(dcache.StoreUnavailableError):
+            store.get_job("no-such-job")
+        second, _ = runner.submit("c", "free", [{"url": f"https://e.com/b{i}"} for i in range(8)])
+        final = runner.wait(second, timeout=WAIT)
+        assert final is not None and final.status == "done", final
+        assert store._group._conn is held  # the same connection, kept
+        assert held.connection.driver_connection.prepare_threshold is None  # type: ignore[union-attr]
+    finally:
+        runner.close()
+        store.close()
+
+
+def test_a_callers_own_engine_is_left_to_its_own_prepared_statements() -> None:
+    """On an engine the caller made (DB(engine)), a lost prepared statement may come from
+    the app's own SQL: the store neither takes it for a pooler nor turns preparing off."""
+    pgbouncer_url()
+    engine = create_engine(POSTGRES_URL)
+    store = dcache.DB(engine)
+    try:
+        for _ in range(8):
+            store.get_job("no-such-job")
+        _lose_prepared_statements(store)
+        with pytest.raises(dcache.StoreError) as info:
+            store.get_job("no-such-job")
+        assert not isinstance(info.value, dcache.StoreUnavailableError)
+        with engine.connect() as conn:
+            assert conn.connection.driver_connection.prepare_threshold == 5  # type: ignore[union-attr]
+    finally:
+        store.close()
+        engine.dispose()
