@@ -88,6 +88,7 @@ _T = TypeVar("_T")
 _ORPHAN_BEATS = 3  # an owner is dead after this many missed heartbeats
 _CANCEL_ANNOUNCED = 5.0  # how long a cancelled drain's end waits for cancels' events
 _POLL_MAX = 0.25  # the longest pause between polls of a job drained elsewhere (docs say so)
+_PURGE_WORK = 1.0  # seconds one purge goes on before it leaves the rest to the next beat
 _FINISH_PATIENCE = 24 * 3600.0  # seconds on_finish waits for a job's end to be read
 MAX_MESSAGE_LENGTH = 8192  # a stored error or hint, in characters
 _MAX_ID = 64
@@ -1535,16 +1536,27 @@ class Runner:
                     )
 
     def _purge_due(self) -> None:
-        """Purge lapsed jobs, at most once per ``purge_interval``, in bounded batches.
+        """Purge lapsed jobs once per ``purge_interval``, in short transactions.
 
-        Runs on the maintenance thread: a busy store pays for it there, never in a
-        submit, and one beat deletes at most ``4 x 500`` jobs (the rest wait a beat).
+        Runs on the maintenance thread, never in a submit. Each transaction deletes what
+        fits in ``dcache``'s purge budget (a few MiB of results); a purge goes on for
+        about a second (_PURGE_WORK), and if lapsed jobs are left then, again at the
+        next beat rather than an interval later, so a backlog of large jobs is worked
+        off between the drains' writes instead of falling behind for good.
         """
         mono = self._mono()
         if mono < self._next_purge:
             return
         self._next_purge = mono + self._config.purge_interval.total_seconds()
-        n = self._db.purge_expired(now=self._clock(), limit=500, max_batches=4)
+        n = 0
+        while not self._stopping.is_set():
+            got = self._db.purge_expired(now=self._clock(), limit=500, max_batches=4)
+            n += got
+            if not got:
+                break
+            if self._mono() - mono >= _PURGE_WORK:
+                self._next_purge = self._mono()  # more may be left: the next beat goes on
+                break
         if n:
             self._log.info("purged %d lapsed job(s)", n)
 

@@ -11,7 +11,18 @@ from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, and_, delete, exists, insert, not_, or_, select, update
+from sqlalchemy import (
+    Connection,
+    and_,
+    delete,
+    exists,
+    func,
+    insert,
+    not_,
+    or_,
+    select,
+    update,
+)
 
 from ._errors import wrap_errors
 from ._rows import OwnerRow
@@ -30,12 +41,13 @@ PURGE_BATCH_BYTES = 4 * 1024 * 1024
 _ROW_BYTES = 512  # a target row's weight in that budget, beside its result
 
 
-def _within_budget(ids: Sequence[str], rows: Sequence[Any]) -> list[str]:
-    """The oldest of ``ids`` (in their order) whose targets' ``rows`` (job id, result
-    bytes) fit in PURGE_BATCH_BYTES together; the first one whatever its size."""
+def _within_budget(ids: Sequence[str], sizes: Sequence[Any]) -> list[str]:
+    """The oldest of ``ids`` (in their order) whose targets fit in PURGE_BATCH_BYTES
+    together, by ``sizes`` (job id, targets, their results' bytes); the first one
+    whatever its size."""
     weight: dict[str, int] = dict.fromkeys(ids, 0)
-    for job_id, size in rows:
-        weight[job_id] += _ROW_BYTES + (size or 0)
+    for job_id, count, size in sizes:
+        weight[job_id] += _ROW_BYTES * int(count) + int(size or 0)
     taken: list[str] = []
     total = 0
     for job_id in ids:
@@ -269,12 +281,23 @@ class Upkeep:
                 # to a lapsed job waits (and then finds its target gone) instead of
                 # deadlocking; then re-check each job under its lock: a job whose lease a
                 # write just moved is kept whole.
-                rows = conn.execute(
-                    select(targets.c.job_id, targets.c.result_bytes)
+                # What each weighs first (a plain read of sizes, no result read), so
+                # that only the jobs this transaction takes are locked.
+                sizes = conn.execute(
+                    select(
+                        targets.c.job_id,
+                        func.count(),
+                        func.coalesce(func.sum(targets.c.result_bytes), 0),
+                    )
                     .where(targets.c.job_id.in_(ids))
+                    .group_by(targets.c.job_id)
+                ).all()
+                taken = _within_budget(ids, sizes)
+                conn.execute(
+                    select(targets.c.job_id, targets.c.idx)
+                    .where(targets.c.job_id.in_(taken))
                     .with_for_update()
                 ).all()
-                taken = _within_budget(ids, rows)
                 found = conn.execute(
                     select(jobs.c.id, jobs.c.caller, jobs.c.expires_at)
                     .where(jobs.c.id.in_(taken), lapsed)
