@@ -140,7 +140,8 @@ class Webhooks:
             died, a reaper finishes it) before it goes out anyway.
         concurrency: how many attempts one sender makes at once, so that a receiver
             that never answers holds back the others' notifications by no more than
-            its share of them.
+            its share of them. A ``secret`` callable may be called from that many
+            threads at once.
     """
 
     secret: Secrets | Callable[[str], Secrets] = attrs.field(repr=_secret_repr)
