@@ -959,7 +959,13 @@ def _cmd_purge(args: argparse.Namespace) -> int:
         return db
     try:
         with db:
-            n = db.purge_expired()
+            # One call stops after 100 transactions (each a few MiB of results): an
+            # operator's purge goes on until nothing lapsed is left. The tombstones of
+            # this run's jobs are left to the next run, as one call leaves them.
+            n = got = db.purge_expired()
+            while got:
+                got = db.purge_expired(tombstone_ttl=MAX_TOMBSTONE_TTL)
+                n += got
     except dcache.StoreUnavailableError as exc:
         _say(f"the database is unavailable: {exc}; retry later")
         return EXIT_TEMPFAIL

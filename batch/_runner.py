@@ -1568,8 +1568,8 @@ class Runner:
         Live jobs may finish within ``timeout`` seconds (``None``: wait for all). Each
         one still live then stops after its in-flight target is stored (waiting up to
         ``timeout`` again) and is marked failed with error ``"shutdown"``. With
-        webhooks, the attempts under way are then waited for (``Webhooks.timeout`` at
-        most), so that each is recorded. Idempotent.
+        webhooks, the attempts under way are then waited for (``Webhooks.timeout`` and
+        up to 5 s to record them, at most), so that each is recorded. Idempotent.
         """
         with self._lock:
             self._closed = True

@@ -457,8 +457,8 @@ class Config:
             database outage before it gives up (the result is never fetched again).
         purge_interval: least time between two purges of lapsed jobs (the runner's
             maintenance thread purges, in bounded batches, every heartbeat it is due;
-            a purge that leaves lapsed jobs after about a second goes on at the next
-            heartbeat).
+            a purge that ran about a second and still found jobs to delete goes on at
+            the next heartbeat).
         fetch_timeout: when set, a ``fetch`` that has not returned within it fails its
             target with ``"FetchTimeout: no result within N s"`` and the drain goes on;
             a late result is discarded, never stored. ``None`` (the default, also 0):

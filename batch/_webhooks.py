@@ -57,7 +57,7 @@ MAX_URL_LENGTH = 2048
 # claim (the rest covers recording the last attempt, and the peers' clocks); one attempt
 # may take half of that at most, so a claim always fits at least one.
 _LEASE_USE = 0.8
-_CLAIM_MAX = 16  # rows claimed at once, at most
+_CLAIM_MAX = 16  # rows claimed at once for each lane (Webhooks.concurrency), at most
 _ANSWER_BYTES = 2000  # of the receiver's answer, read and kept at most
 _log = logging.getLogger("batch.webhooks")
 
@@ -140,8 +140,9 @@ class Webhooks:
             died, a reaper finishes it) before it goes out anyway.
         concurrency: how many attempts one sender makes at once, so that a receiver
             that never answers holds back the others' notifications by no more than
-            its share of them. A ``secret`` callable may be called from that many
-            threads at once.
+            its share of them (an int from 1 to 64; the lanes are short-lived threads
+            named ``batch-webhooks-<owner>-N``). A ``secret`` callable may be called
+            from that many threads at once.
     """
 
     secret: Secrets | Callable[[str], Secrets] = attrs.field(repr=_secret_repr)
@@ -297,11 +298,12 @@ class Sender:
         """Claim and deliver what is due now; how many were attempted.
 
         No attempt may outlast the claim: another sender would take the row when it
-        lapses and send it too. So a claim takes only as many rows as fit in it, one
-        after the other at the longest attempt each, and before each row the sender
-        checks that the attempt still fits (by both its monotonic clock and the clock
-        the claim was stamped with); a row that no longer fits is left to be claimed
-        again once the claim lapses, by this sender or another.
+        lapses and send it too. So a claim takes only as many rows as fit in it, in
+        ``concurrency`` lanes of attempts one after the other at the longest attempt
+        each, and before each row a lane checks that the attempt still fits (by both its
+        monotonic clock and the clock the claim was stamped with). The rows no lane
+        attempted (the claim ran short, or the sender is stopping) are given back at
+        once for the next claim, this sender's or another's.
         """
         runner = self.runner
         usable = self.hooks.lease.total_seconds() * _LEASE_USE

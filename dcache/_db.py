@@ -363,7 +363,10 @@ class DB(
                 prepares statements server-side (psycopg's ``prepare_threshold=None``);
                 the query flag ``?pgbouncer=true`` in the URL does the same (it is removed
                 before the URL reaches the driver). Nothing else the store sends is
-                session-level: see :doc:`/deployment`.
+                session-level: see :doc:`/deployment`. Left out behind such a pooler,
+                the store turns preparing off at the first statement the pooler loses
+                (retried, and logged as an error naming this option); until then another
+                client's statement could run in the store's place (docs/howto/pgbouncer.md).
             tombstone_ttl: how long a purged job's id answers "expired" (HTTP ``410``)
                 rather than "unknown" (``404``) after its lease lapsed; 7 days by default.
             create: create the schema if missing and upgrade an older one (the default).

@@ -242,9 +242,10 @@ class Upkeep:
         Each deleted job leaves a tombstone (its id, caller and expiry), so :meth:`lookup`
         can tell "expired" from "unknown" for ``tombstone_ttl`` after the lease lapsed (by
         default the store's, see :meth:`open`); older tombstones are deleted here too.
-        Works in batches of at most ``limit`` jobs and of ``PURGE_BATCH_BYTES`` (4 MiB)
-        of stored results (one job at least), each its own short transaction, so live
-        writers are never blocked for long.
+        Works in batches of at most ``limit`` jobs and ``PURGE_BATCH_BYTES`` (4 MiB) of
+        stored results, each target row counting 512 bytes more (one job at least), each
+        its own short transaction, so live writers are never blocked for long; at most
+        ``max_batches`` of them a call (call again while it returns more than 0).
         Returns how many jobs were deleted.
 
         Raises:
@@ -287,7 +288,15 @@ class Upkeep:
                     select(
                         targets.c.job_id,
                         func.count(),
-                        func.coalesce(func.sum(targets.c.result_bytes), 0),
+                        # A result stored before schema 3 has no size: its length.
+                        func.coalesce(
+                            func.sum(
+                                func.coalesce(
+                                    targets.c.result_bytes, func.length(targets.c.result)
+                                )
+                            ),
+                            0,
+                        ),
                     )
                     .where(targets.c.job_id.in_(ids))
                     .group_by(targets.c.job_id)

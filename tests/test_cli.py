@@ -799,6 +799,34 @@ def test_status_cancel_jobs_and_purge_end_to_end(
     assert [j["id"] for j in lines(remaining.stdout)] == [job_id]
 
 
+def test_purge_deletes_every_lapsed_job_not_one_calls_worth(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A purge transaction takes a few MiB of results (here: one job), and one call of
+    purge_expired at most 100 transactions: `batch purge` goes on until none is left."""
+    import dcache._upkeep
+
+    monkeypatch.setattr(dcache._upkeep, "PURGE_BATCH_BYTES", 1)
+    url = f"sqlite:///{tmp_path / 'batch.sqlite3'}"
+    then = dcache.utcnow() - dt.timedelta(days=1)
+    with dcache.DB.open(url) as db:
+        for i in range(105):
+            out = db.submit(
+                job_id=batch.new_job_id(),
+                caller=f"c{i}",
+                caller_class="cli",
+                idem_key=f"{i:064x}",
+                targets=[dcache.NewTarget("test://a", "{}")],
+                ttl=dt.timedelta(minutes=1),
+                jobs_per_caller=1,
+                jobs_total=1000,
+                now=then,
+            )
+            assert out.job is not None and db.fail_job(out.job.id, "x", now=then)
+    assert _cli.main(["purge", "--db", url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"purged": 105}
+
+
 def test_purge_keeps_tombstones_for_the_days_given(env: dict[str, str]) -> None:
     """`batch purge` deletes the tombstones older than --tombstone-days (default 7)."""
     now = dcache.utcnow()

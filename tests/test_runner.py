@@ -1388,7 +1388,7 @@ def test_purge_deletes_lapsed_jobs_but_never_live_ones(
 
 
 def test_a_backlog_of_lapsed_jobs_is_purged_at_every_beat_until_it_is_gone(
-    make_runner: MakeRunner, clock: Clock, monkeypatch: pytest.MonkeyPatch
+    db: dcache.DB, make_runner: MakeRunner, clock: Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A purge transaction takes what fits in a few MiB (here: one job each), so one
     purge of 4 transactions per interval could fall behind for good: a purge that found
@@ -1396,13 +1396,10 @@ def test_a_backlog_of_lapsed_jobs_is_purged_at_every_beat_until_it_is_gone(
     import dcache._upkeep
 
     monkeypatch.setattr(dcache._upkeep, "PURGE_BATCH_BYTES", 1)
-    runner = make_runner(
-        Config(heartbeat=dt.timedelta(seconds=0.02), purge_interval=dt.timedelta(seconds=1))
-    )
     past = clock() - dt.timedelta(days=2)
     for i in range(60):
         job_id = batch.new_job_id()
-        out = runner.db.submit(
+        out = db.submit(
             job_id=job_id,
             caller=f"c{i}",
             caller_class="web",
@@ -1414,12 +1411,15 @@ def test_a_backlog_of_lapsed_jobs_is_purged_at_every_beat_until_it_is_gone(
             now=past,
         )
         assert out.kind == "created"
-        assert runner.db.fail_job(job_id, "x", now=past)
+        assert db.fail_job(job_id, "x", now=past)
 
     def left() -> int:
-        return len(runner.db.list_jobs(now=past, limit=1000))
+        return len(db.list_jobs(now=past, limit=1000))
 
     assert left() == 60
+    make_runner(
+        Config(heartbeat=dt.timedelta(seconds=0.02), purge_interval=dt.timedelta(seconds=1))
+    )
     # One purge of four one-job transactions a second would take 15 s.
     wait_for(lambda: left() == 0, "the backlog to be purged", timeout=6.0)
 

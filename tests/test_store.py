@@ -2156,11 +2156,13 @@ def test_purge_stops_after_max_batches(db: DB) -> None:
     assert sql(db, "SELECT count(*) FROM batch_target")[0][0] == 0
 
 
-def test_a_purge_transaction_deletes_a_bounded_number_of_bytes(db: DB) -> None:
+@pytest.mark.parametrize("sized", [True, False], ids=["sized", "stored-before-v3"])
+def test_a_purge_transaction_deletes_a_bounded_number_of_bytes(db: DB, sized: bool) -> None:
     """A purge batch is bounded by what it deletes, not only by its number of jobs: 500
     lapsed jobs of large results in one transaction held SQLite's write lock (and
     MariaDB's drains) for seconds. Each transaction takes the oldest jobs up to
-    ``PURGE_BATCH_BYTES`` of stored results (at least one job)."""
+    ``PURGE_BATCH_BYTES`` of stored results (at least one job); a result stored before
+    schema version 3 (no ``result_bytes``) is weighed by its length."""
     from dcache._upkeep import PURGE_BATCH_BYTES
 
     big = "x" * (PURGE_BATCH_BYTES * 5 // 8)  # one fits in a batch, two do not
@@ -2174,6 +2176,8 @@ def test_a_purge_transaction_deletes_a_bounded_number_of_bytes(db: DB) -> None:
     for job in small:
         for idx in range(2):
             db.write_target(job.id, idx, status="done", result="r", ttl=TTL, now=next_second)
+    if not sized:
+        sql(db, "UPDATE batch_target SET result_bytes = NULL")
     later = T0 + 2 * TTL
     assert db.purge_expired(now=later, max_batches=1) == 1
     assert db.purge_expired(now=later, max_batches=2) == 2
