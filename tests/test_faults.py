@@ -970,11 +970,17 @@ def test_mariadb_interrupted_statement_is_transient(mariadb_url: str, how: str) 
             b.execute(text("SET SESSION max_statement_time = 0.2"))
         b.commit()
         b.begin()
+        killer = None
         if how == "kill_query":
             victim = b.execute(text("SELECT CONNECTION_ID()")).scalar()
-            threading.Timer(0.3, lambda: a.execute(text(f"KILL QUERY {int(victim)}"))).start()
+            killer = threading.Timer(0.3, lambda: a.execute(text(f"KILL QUERY {int(victim)}")))
+            killer.start()
         with pytest.raises(sa_exc.OperationalError) as info:
             lock_row(b, "fault-x")
+        if killer is not None:
+            # b's error may come back before the KILL's own answer on a: a is the
+            # timer's until then (two threads on one connection garble its packets).
+            killer.join(10)
         a.rollback()
     assert info.value.orig.args[0] == (1969 if how == "max_statement_time" else 1317)
     assert type(dcache._errors.translate(info.value)) is dcache.StoreUnavailableError
