@@ -278,10 +278,6 @@ class Upkeep:
                 ids = conn.execute(oldest).scalars().all()
                 if not ids:
                     break
-                # Lock in the per-target write's order, targets then job, so a late write
-                # to a lapsed job waits (and then finds its target gone) instead of
-                # deadlocking; then re-check each job under its lock: a job whose lease a
-                # write just moved is kept whole.
                 # What each weighs first (a plain read of sizes, no result read), so
                 # that only the jobs this transaction takes are locked.
                 sizes = conn.execute(
@@ -291,9 +287,7 @@ class Upkeep:
                         # A result stored before schema 3 has no size: its length.
                         func.coalesce(
                             func.sum(
-                                func.coalesce(
-                                    targets.c.result_bytes, func.length(targets.c.result)
-                                )
+                                func.coalesce(targets.c.result_bytes, func.length(targets.c.result))
                             ),
                             0,
                         ),
@@ -302,6 +296,10 @@ class Upkeep:
                     .group_by(targets.c.job_id)
                 ).all()
                 taken = _within_budget(ids, sizes)
+                # Lock in the per-target write's order, targets then job, so a late write
+                # to a lapsed job waits (and then finds its target gone) instead of
+                # deadlocking; then re-check each job under its lock: a job whose lease a
+                # write just moved is kept whole.
                 conn.execute(
                     select(targets.c.job_id, targets.c.idx)
                     .where(targets.c.job_id.in_(taken))

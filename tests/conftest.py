@@ -40,8 +40,8 @@ REQUIRE_SERVERS = bool(os.environ.get("CI") or os.environ.get("DCACHE_REQUIRE_SE
 # Under ``pytest -n N`` (pytest-xdist) each worker process runs its tests on databases of
 # its own beside the configured ones (``test`` -> ``test_gw0``, created in pytest_configure):
 # workers never empty or lock each other's tables; a test that restarts a server runs alone
-# (_whole_server_turn). The server-side
-# checks the tests make (lock waiters, connections) already look at their own database.
+# (_whole_server_turn). The server-side checks the tests make (lock waiters, connections)
+# already look at their own database.
 WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 _CONFIGURED_URLS = (POSTGRES_URL, MYSQL_URL)
 
