@@ -436,6 +436,14 @@ def queued(
     return job_id
 
 
+def ended(db: dcache.DB, url: str, now: dt.datetime, *, caller: str) -> str:
+    """A one-target job made in the store and ended there at ``now``: its notification
+    to ``url`` is due."""
+    job_id = queued(db, url, now, caller=caller)
+    db.write_target(job_id, 0, status="done", ttl=dt.timedelta(hours=1), now=now)
+    return job_id
+
+
 def body_of(seen: tuple[dict[str, str], bytes]) -> dict[str, Any]:
     doc: dict[str, Any] = json.loads(seen[1])
     return doc
@@ -720,8 +728,7 @@ def test_a_sender_stops_before_a_row_whose_claim_could_lapse_mid_delivery(
     receiver = Receiver(on_post=slow)
     try:
         for i in range(8):
-            job_id = queued(db, receiver.url, clock.now, caller=f"c{i}")
-            db.write_target(job_id, 0, status="done", ttl=dt.timedelta(hours=1), now=clock.now)
+            ended(db, receiver.url, clock.now, caller=f"c{i}")
         with batch.Runner(db, ok, clock=clock) as runner:
             lease = dt.timedelta(seconds=60)
             # One lane: each answer moves the test's clock as if the attempts came one
@@ -757,8 +764,7 @@ def test_a_sender_that_stops_mid_batch_gives_back_the_rows_it_did_not_attempt(
     receiver = Receiver(on_post=stop_now)
     try:
         for i in range(5):
-            job_id = queued(db, receiver.url, clock.now, caller=f"c{i}")
-            db.write_target(job_id, 0, status="done", ttl=dt.timedelta(hours=1), now=clock.now)
+            ended(db, receiver.url, clock.now, caller=f"c{i}")
         with batch.Runner(db, ok, clock=clock) as runner:
             sender = Sender(runner, hooks())
             attempted = sender.deliver_due()  # one per lane, started before the stop
@@ -808,16 +814,8 @@ def test_a_receiver_that_never_answers_does_not_hold_back_the_others(db: dcache.
     try:
         now = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=2)
         for i in range(3):
-            db.write_target(
-                queued(db, dead.url, now, caller=f"d{i}"),
-                0,
-                status="done",
-                ttl=dt.timedelta(hours=1),
-                now=now,
-            )
-        later = now + dt.timedelta(seconds=1)
-        good = queued(db, alive.url, later, caller="good")
-        db.write_target(good, 0, status="done", ttl=dt.timedelta(hours=1), now=later)
+            ended(db, dead.url, now, caller=f"d{i}")
+        good = ended(db, alive.url, now + dt.timedelta(seconds=1), caller="good")
         with batch.Runner(db, ok) as runner:
             sender = Sender(runner, hooks(timeout=8.0, lease=dt.timedelta(seconds=30)))
             assert sender.hooks.concurrency >= 4
