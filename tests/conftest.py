@@ -228,6 +228,31 @@ def database_beside(url: str, suffix: str) -> str:
     return u.set(database=name).render_as_string(hide_password=False)
 
 
+def failed_jobs(
+    db: dcache.DB, n: int, at: dt.datetime, ttl: dt.timedelta = dt.timedelta(hours=1)
+) -> list[str]:
+    """``n`` one-target jobs of as many callers, submitted and failed in the store at
+    ``at``: their leases lapse ``ttl`` later (a backlog for purge). Their ids."""
+    ids = []
+    for i in range(n):
+        job_id = f"{i:032x}"
+        out = db.submit(
+            job_id=job_id,
+            caller=f"c{i}",
+            caller_class="web",
+            idem_key=f"{i:064x}",
+            targets=[dcache.NewTarget("https://e.com/")],
+            ttl=ttl,
+            jobs_per_caller=1,
+            jobs_total=n,
+            now=at,
+        )
+        assert out.kind == "created", out
+        assert db.fail_job(job_id, "x", now=at)
+        ids.append(job_id)
+    return ids
+
+
 def wipe(db: dcache.DB) -> None:
     """Empty every table of a shared server database (the schema stays)."""
     with db.engine.begin() as conn:

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 from _netjail import netjail, netjail_check  # noqa: F401
-from conftest import SERVER_URLS, default_sigint, interrupt_and_wait, wipe
+from conftest import SERVER_URLS, default_sigint, failed_jobs, interrupt_and_wait, wipe
 from sqlalchemy.engine import make_url
 
 import batch
@@ -810,19 +810,7 @@ def test_purge_deletes_every_lapsed_job_not_one_calls_worth(
     url = f"sqlite:///{tmp_path / 'batch.sqlite3'}"
     then = dcache.utcnow() - dt.timedelta(days=1)
     with dcache.DB.open(url) as db:
-        for i in range(105):
-            out = db.submit(
-                job_id=batch.new_job_id(),
-                caller=f"c{i}",
-                caller_class="cli",
-                idem_key=f"{i:064x}",
-                targets=[dcache.NewTarget("test://a", "{}")],
-                ttl=dt.timedelta(minutes=1),
-                jobs_per_caller=1,
-                jobs_total=1000,
-                now=then,
-            )
-            assert out.job is not None and db.fail_job(out.job.id, "x", now=then)
+        failed_jobs(db, 105, then, ttl=dt.timedelta(minutes=1))
     assert _cli.main(["purge", "--db", url, "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {"purged": 105}
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from _fetchers import WAIT, FakeFetch, join_threads, wait_for
-from conftest import backend_url
+from conftest import backend_url, failed_jobs
 from sqlalchemy import event
 
 import batch
@@ -1397,21 +1397,7 @@ def test_a_backlog_of_lapsed_jobs_is_purged_at_every_beat_until_it_is_gone(
 
     monkeypatch.setattr(dcache._upkeep, "PURGE_BATCH_BYTES", 1)
     past = clock() - dt.timedelta(days=2)
-    for i in range(60):
-        job_id = batch.new_job_id()
-        out = db.submit(
-            job_id=job_id,
-            caller=f"c{i}",
-            caller_class="web",
-            idem_key=f"{i:064x}",
-            targets=[dcache.NewTarget("https://e.com/")],
-            ttl=dt.timedelta(hours=1),
-            jobs_per_caller=8,
-            jobs_total=1000,
-            now=past,
-        )
-        assert out.kind == "created"
-        assert db.fail_job(job_id, "x", now=past)
+    failed_jobs(db, 60, past)
 
     def left() -> int:
         return len(db.list_jobs(now=past, limit=1000))
